@@ -1,0 +1,71 @@
+"""Idempotent Celery task enqueueing.
+
+::
+
+    @app.task(base=DedupTask, unique_for=600)
+    def sync_address(user_id, address): ...
+
+    sync_address.delay(42, {"zip": "10115"})   # publishes
+    sync_address.delay(42, {"zip": "10115"})   # duplicate: returns the holder's result
+"""
+
+from __future__ import annotations
+
+from .api import dedup_key_for, inspect_lock, release, revoke
+from .batch import enqueue_many
+from .exceptions import (
+    DedupError,
+    DedupKeyError,
+    DeduplicationUnavailable,
+    DuplicateTaskError,
+    ImproperlyConfigured,
+    InvalidOptionError,
+    MissingDeduplicationKey,
+    StoreUnavailable,
+)
+from .identity import Identity, time_bucket
+from .options import Fallback, OnDuplicate
+from .policy import UniqueUntil
+from .results import DeduplicatedResult
+from .signals import (
+    dedup_fallback,
+    lock_acquired,
+    lock_released,
+    lock_replaced,
+    task_deduplicated,
+    task_skipped,
+)
+from .stores.base import Lock
+from .task import DedupTask
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DedupError",
+    "DedupKeyError",
+    "DedupTask",
+    "DeduplicatedResult",
+    "DeduplicationUnavailable",
+    "DuplicateTaskError",
+    "Fallback",
+    "Identity",
+    "ImproperlyConfigured",
+    "InvalidOptionError",
+    "Lock",
+    "MissingDeduplicationKey",
+    "OnDuplicate",
+    "StoreUnavailable",
+    "UniqueUntil",
+    "dedup_fallback",
+    "dedup_key_for",
+    "enqueue_many",
+    "inspect_lock",
+    "lock_acquired",
+    "lock_released",
+    "lock_replaced",
+    "release",
+    "revoke",
+    "task_deduplicated",
+    "task_skipped",
+    "time_bucket",
+]

@@ -1,0 +1,110 @@
+"""``enqueue_many``: publish a group under one batch-level lock."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from celery import current_app, group
+from celery.canvas import Signature
+from celery.result import GroupResult
+
+from .exceptions import DuplicateTaskError, StoreUnavailable
+from .identity import caller_key_material, lock_key
+from .options import OnDuplicate, validate_choice, validate_key, validate_positive_seconds
+from .policy import UniqueUntil
+from .runtime import runtime_for
+from .signals import lock_acquired, task_deduplicated
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+__all__ = ["BATCH_TASK_NAME", "enqueue_many"]
+
+#: the task-name part of batch lock keys
+BATCH_TASK_NAME = "celery_dedup.batch"
+
+
+def enqueue_many(
+    signatures: Iterable[Signature],
+    *,
+    deduplication_key: str,
+    unique_for: float | None = None,
+    on_duplicate: OnDuplicate | str = OnDuplicate.EXISTING,
+    app: Celery | None = None,
+) -> GroupResult:
+    """Publish ``signatures`` as one group, once per ``deduplication_key``.
+
+    The batch lock is released only by its TTL (``unique_for``, default
+    ``dedup_default_ttl``). When the key is held, ``on_duplicate="existing"``
+    returns the holder's ``GroupResult`` (``.deduplicated`` is True) and
+    ``"raise"`` raises ``DuplicateTaskError``. Members are not deduplicated
+    against each other: for per-item dedup, call the tasks one by one.
+    """
+    sigs = list(signatures)
+    app = app or (sigs[0].app if sigs else None) or current_app
+    runtime = runtime_for(app)
+    key_text = validate_key(deduplication_key)
+    assert key_text is not None
+    ttl = (
+        runtime.settings.default_ttl
+        if unique_for is None
+        else validate_positive_seconds(unique_for, "unique_for")
+    )
+    mode = validate_choice(OnDuplicate, on_duplicate, "on_duplicate")
+    if mode is OnDuplicate.REPLACE:
+        raise ValueError("enqueue_many does not support on_duplicate='replace'")
+    key = lock_key(runtime.settings.key_prefix, BATCH_TASK_NAME, caller_key_material(key_text))
+    batch = group(sigs, app=app)
+    frozen: GroupResult = batch.freeze()
+    store = runtime.store
+    holder = None
+    if store is None:
+        runtime.fall_back(BATCH_TASK_NAME, None)
+    else:
+        meta = {"task_name": BATCH_TASK_NAME, "policy": UniqueUntil.EXPIRY.value}
+        try:
+            holder = store.acquire(key, frozen.id, ttl, meta)
+        except StoreUnavailable as exc:
+            runtime.fall_back(BATCH_TASK_NAME, exc)
+            store = None
+    if holder is not None:
+        task_deduplicated.send(
+            sender=None, key=key, existing_task_id=holder.owner, duplicate_id=frozen.id,
+            args=None, kwargs=None, ttl=holder.ttl,
+        )
+        if mode is OnDuplicate.RAISE:
+            raise DuplicateTaskError(
+                task_name=BATCH_TASK_NAME, key=key, existing_task_id=holder.owner, ttl=holder.ttl
+            )
+        existing = _restore(app, holder.owner)
+        existing.deduplicated = True
+        existing.deduplication_key = key
+        return existing
+    if store is not None:
+        lock_acquired.send(sender=None, key=key, task_id=frozen.id, ttl=ttl, policy="expiry")
+    try:
+        result: GroupResult = batch.apply_async()
+    except BaseException:
+        if store is not None:
+            store.release(key, frozen.id)
+        raise
+    _save(result)
+    result.deduplicated = False
+    result.deduplication_key = key
+    return result
+
+
+def _save(result: GroupResult) -> None:
+    try:
+        result.save()
+    except NotImplementedError:  # a backend without group storage (rpc://)
+        pass
+
+
+def _restore(app: Any, group_id: str) -> GroupResult:
+    try:
+        restored = app.GroupResult.restore(group_id, app=app)
+    except NotImplementedError:
+        restored = None
+    return restored if restored is not None else app.GroupResult(group_id, [])

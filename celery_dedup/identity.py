@@ -1,0 +1,232 @@
+"""Which calls are "the same": canonical arguments, strategies and key digests.
+
+A lock key is ``{prefix}:{task name}:{sha256 hex}``. Raw arguments and caller
+keys never appear in a key, a log line or an exception message.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import inspect
+import json
+import math
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from datetime import date, datetime, time, timezone
+from decimal import Decimal
+from enum import Enum
+from typing import Any, Final, Literal
+
+from .exceptions import DedupKeyError, InvalidOptionError
+
+__all__ = [
+    "ArgumentBinder",
+    "Identity",
+    "canonical_json",
+    "deterministic_task_id",
+    "digest",
+    "lock_key",
+    "time_bucket",
+]
+
+#: uuid5 namespace of deterministic task ids (uuid5(NAMESPACE_URL, "celery-dedup")).
+TASK_ID_NAMESPACE: Final = uuid.uuid5(uuid.NAMESPACE_URL, "https://pypi.org/project/celery-dedup/")
+
+Granularity = Literal["minute", "hour", "day", "week", "month"]
+_BUCKET_FORMATS: Final[Mapping[str, str]] = {
+    "minute": "%Y-%m-%dT%H:%M",
+    "hour": "%Y-%m-%dT%H",
+    "day": "%Y-%m-%d",
+    "month": "%Y-%m",
+}
+
+
+class Identity(str, Enum):
+    """How the identity of a call is derived when no ``deduplication_key`` is given."""
+
+    #: task name, target queue and the bound arguments
+    STRICT = "strict"
+    #: the caller must pass ``deduplication_key``
+    CALLER_PROVIDED = "caller_provided"
+    #: no lock unless a ``deduplication_key`` is given
+    ALWAYS_UNIQUE = "always_unique"
+
+
+def _escape_key(key: str) -> str:
+    # Tagged values use keys starting with "$"; escaping user keys that start
+    # with "$" keeps a user dict from ever looking like a tagged value.
+    return "$" + key if key.startswith("$") else key
+
+
+def _canonical(value: Any, path: str) -> Any:
+    """Turn ``value`` into plain JSON data, deterministically, or raise."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise DedupKeyError(
+                f"argument {path!r} is {value!r}, which has no canonical form "
+                "(NaN and infinities are not equal to themselves)",
+                argument=path,
+            )
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_canonical(item, f"{path}[{i}]") for i, item in enumerate(value)]
+    if isinstance(value, Mapping):
+        return _canonical_mapping(value, path)
+    if isinstance(value, datetime):
+        return {"$datetime": value.isoformat()}
+    if isinstance(value, date):
+        return {"$date": value.isoformat()}
+    if isinstance(value, time):
+        return {"$time": value.isoformat()}
+    if isinstance(value, Decimal):
+        if not value.is_finite():
+            raise DedupKeyError(
+                f"argument {path!r} is Decimal({str(value)!r}), which has no canonical form",
+                argument=path,
+            )
+        return {"$decimal": str(value.normalize())}
+    if isinstance(value, uuid.UUID):
+        return {"$uuid": str(value)}
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return {"$bytes": base64.b64encode(bytes(value)).decode("ascii")}
+    if isinstance(value, Enum):
+        return {"$enum": f"{type(value).__qualname__}", "value": _canonical(value.value, path)}
+    kind = type(value).__name__
+    hint = "a sorted list" if isinstance(value, (set, frozenset)) else "plain JSON data"
+    raise DedupKeyError(
+        f"argument {path!r} of type {kind} cannot be part of a deduplication key; "
+        f"pass {hint}, restrict the identity with unique_on=, or pass deduplication_key=",
+        argument=path,
+    )
+
+
+def _canonical_mapping(value: Mapping[Any, Any], path: str) -> Any:
+    if all(isinstance(k, str) for k in value):
+        return {_escape_key(k): _canonical(v, f"{path}[{k!r}]") for k, v in value.items()}
+    pairs = [
+        (_canonical(k, f"{path}<key {k!r}>"), _canonical(v, f"{path}[{k!r}]"))
+        for k, v in value.items()
+    ]
+    pairs.sort(key=lambda kv: json.dumps(kv[0], sort_keys=True))
+    return {"$map": [list(pair) for pair in pairs]}
+
+
+def canonical_json(value: Any, argument: str = "value") -> str:
+    """Canonical JSON of ``value``: sorted keys, no whitespace, typed special values.
+
+    ``1`` and ``"1"`` differ, dict order never matters, list order does.
+    Raises ``DedupKeyError`` naming ``argument`` (and the path inside it) for
+    sets, arbitrary objects, NaN and infinities.
+    """
+    return json.dumps(
+        _canonical(value, argument),
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=False,
+        allow_nan=False,
+    )
+
+
+def digest(material: str) -> str:
+    """sha256 hex digest of ``material``."""
+    return hashlib.sha256(material.encode("utf-8")).hexdigest()
+
+
+def lock_key(prefix: str, task_name: str, material: str) -> str:
+    """The store key for ``material`` (a canonical identity or a caller key)."""
+    return f"{prefix}:{task_name}:{digest(material)}"
+
+
+def deterministic_task_id(key: str) -> str:
+    """A task id derived from a lock key (uuid5), the same for every producer."""
+    return str(uuid.uuid5(TASK_ID_NAMESPACE, key))
+
+
+def time_bucket(granularity: Granularity | str, when: datetime | None = None) -> str:
+    """The UTC bucket of ``when`` (default: now) for time-windowed keys.
+
+    ``minute`` → ``2026-11-22T14:05``, ``hour`` → ``2026-11-22T14``,
+    ``day`` → ``2026-11-22``, ``week`` → ``2026-W47`` (ISO week), ``month`` →
+    ``2026-11``. Naive datetimes are taken as UTC; aware ones are converted.
+    """
+    moment = datetime.now(timezone.utc) if when is None else when
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    moment = moment.astimezone(timezone.utc)
+    if granularity == "week":
+        year, week, _ = moment.isocalendar()
+        return f"{year}-W{week:02d}"
+    try:
+        return moment.strftime(_BUCKET_FORMATS[granularity])
+    except KeyError:
+        raise InvalidOptionError(
+            "granularity", granularity, ["minute", "hour", "day", "week", "month"]
+        ) from None
+
+
+class ArgumentBinder:
+    """Binds call arguments to a task's signature, built once per task.
+
+    ``f(1, b=2)``, ``f(a=1, b=2)`` and ``f(1, 2)`` bind to the same mapping,
+    with defaults applied; ``unique_on`` restricts it to the named parameters.
+    """
+
+    def __init__(
+        self, func: Callable[..., Any], task_name: str, unique_on: Sequence[str] | None = None
+    ) -> None:
+        self.signature = inspect.signature(func)
+        self.task_name = task_name
+        self.unique_on: tuple[str, ...] | None = None
+        if unique_on is not None:
+            names = (unique_on,) if isinstance(unique_on, str) else tuple(unique_on)
+            unknown = [n for n in names if n not in self.signature.parameters]
+            if unknown:
+                raise InvalidOptionError(
+                    "unique_on", unique_on, list(self.signature.parameters)
+                )
+            self.unique_on = names
+
+    def bind(self, args: Iterable[Any] | None, kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The arguments of a call as ``{parameter: value}`` with defaults applied."""
+        try:
+            bound = self.signature.bind(*(args or ()), **(kwargs or {}))
+        except TypeError as exc:
+            raise TypeError(f"{self.task_name}{self.signature}: {exc}") from None
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        if self.unique_on is not None:
+            arguments = {name: arguments[name] for name in self.unique_on}
+        return arguments
+
+    def identity(
+        self,
+        queue: str | None,
+        args: Iterable[Any] | None,
+        kwargs: Mapping[str, Any] | None,
+    ) -> str:
+        """Canonical JSON of ``(task name, queue, bound arguments)``."""
+        arguments = self.bind(args, kwargs)
+        try:
+            canonical_args = {
+                _escape_key(name): _canonical(value, name) for name, value in arguments.items()
+            }
+        except DedupKeyError as exc:
+            raise DedupKeyError(
+                f"{self.task_name}: {exc}", argument=exc.argument, task_name=self.task_name
+            ) from None
+        return json.dumps(
+            ["strict", self.task_name, queue, canonical_args],
+            sort_keys=True,
+            separators=(",", ":"),
+            ensure_ascii=False,
+        )
+
+
+def caller_key_material(key: str) -> str:
+    """Identity material of a caller-given ``deduplication_key``."""
+    return json.dumps(["key", key], separators=(",", ":"), ensure_ascii=False)

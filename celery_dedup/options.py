@@ -1,0 +1,221 @@
+"""Option resolution and validation.
+
+Options come from four places, highest first: the call
+(``apply_async(unique_for=…)``, ``sig.set(…)``), the task's attributes, the
+app's ``dedup_*`` settings, then the defaults below. The task, the Django
+system checks and the CLI all use the validators defined here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import dataclass
+from datetime import timedelta
+from enum import Enum
+from typing import Any, Final, TypeVar
+
+from .exceptions import InvalidOptionError
+from .identity import Identity
+from .policy import UniqueUntil
+
+__all__ = [
+    "CALL_OPTIONS",
+    "DEFAULTS",
+    "NOT_GIVEN",
+    "Fallback",
+    "OnDuplicate",
+    "ResolvedOptions",
+    "SETTINGS",
+    "pop_call_options",
+    "validate_bool",
+    "validate_choice",
+    "validate_setting",
+    "validate_unique_for",
+]
+
+
+class _NotGiven:
+    """Marker for "the caller did not pass this option" (``None`` means bypass)."""
+
+    _instance: _NotGiven | None = None
+
+    def __new__(cls) -> _NotGiven:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "NOT_GIVEN"
+
+    def __bool__(self) -> bool:
+        return False
+
+
+NOT_GIVEN: Final = _NotGiven()
+
+
+class OnDuplicate(str, Enum):
+    """What ``apply_async`` does when the key is already held."""
+
+    #: publish nothing; return a ``DeduplicatedResult`` for the holder
+    EXISTING = "existing"
+    #: raise ``DuplicateTaskError``
+    RAISE = "raise"
+    #: debounce: take the lock over, publish, revoke the old holder
+    REPLACE = "replace"
+
+
+class Fallback(str, Enum):
+    """What happens when no lock store can be used."""
+
+    #: log a warning and publish without a lock
+    OPEN = "open"
+    #: raise ``DeduplicationUnavailable`` before publishing
+    CLOSED = "closed"
+
+
+E = TypeVar("E", bound=Enum)
+
+
+def validate_choice(enum: type[E], value: Any, option: str) -> E:
+    """Return ``value`` as a member of ``enum`` or raise ``InvalidOptionError``."""
+    if isinstance(value, enum):
+        return value
+    try:
+        return enum(value)
+    except (ValueError, TypeError):
+        raise InvalidOptionError(option, value, [m.value for m in enum]) from None
+
+
+def validate_unique_for(value: Any, option: str = "unique_for") -> float | None:
+    """Seconds as a positive float; ``None`` or ``0`` mean "no lock" (bypass)."""
+    if value is None:
+        return None
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidOptionError(
+            option, value, "seconds as an int, float or timedelta greater than 0 (or None)"
+        )
+    else:
+        seconds = float(value)
+    if seconds == 0:
+        return None
+    if not seconds > 0 or seconds == float("inf"):
+        raise InvalidOptionError(option, value, "a finite number of seconds greater than 0")
+    return seconds
+
+
+def validate_positive_seconds(value: Any, option: str) -> float:
+    """Like ``validate_unique_for`` but ``None`` and ``0`` are refused."""
+    seconds = validate_unique_for(value, option)
+    if seconds is None:
+        raise InvalidOptionError(option, value, "a finite number of seconds greater than 0")
+    return seconds
+
+
+def validate_bool(value: Any, option: str) -> bool:
+    """A real ``bool`` (no truthy strings)."""
+    if not isinstance(value, bool):
+        raise InvalidOptionError(option, value, "True or False")
+    return value
+
+
+def validate_key(value: Any, option: str = "deduplication_key") -> str | None:
+    """A non-empty string, or ``None`` for "no caller key"."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise InvalidOptionError(option, value, "a non-empty string")
+    return value
+
+
+def validate_prefix(value: Any, option: str = "dedup_key_prefix") -> str:
+    """A non-empty string with no whitespace."""
+    if not isinstance(value, str) or not value or any(c.isspace() for c in value):
+        raise InvalidOptionError(option, value, "a non-empty string without whitespace")
+    return value
+
+
+def validate_store(value: Any, option: str = "dedup_store") -> str | None:
+    """A store URL string or ``None`` (derive it from the result backend)."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise InvalidOptionError(option, value, "a store URL string or None")
+    return value
+
+
+def validate_send_events(value: Any, option: str = "dedup_send_events") -> bool | None:
+    """``None`` (follow ``task_send_sent_event``) or a bool."""
+    return None if value is None else validate_bool(value, option)
+
+
+#: setting name → (default, validator)
+SETTINGS: Final[Mapping[str, tuple[Any, Callable[[Any, str], Any]]]] = {
+    "dedup_store": (None, validate_store),
+    "dedup_key_prefix": ("celery-dedup", validate_prefix),
+    "dedup_default_ttl": (3600, validate_positive_seconds),
+    "dedup_default_unique_until": (
+        UniqueUntil.SUCCESS,
+        lambda v, o: validate_choice(UniqueUntil, v, o),
+    ),
+    "dedup_default_identity": (Identity.STRICT, lambda v, o: validate_choice(Identity, v, o)),
+    "dedup_default_on_duplicate": (
+        OnDuplicate.EXISTING,
+        lambda v, o: validate_choice(OnDuplicate, v, o),
+    ),
+    "dedup_fallback": (Fallback.OPEN, lambda v, o: validate_choice(Fallback, v, o)),
+    "dedup_send_events": (None, validate_send_events),
+}
+
+DEFAULTS: Final[Mapping[str, Any]] = {name: spec[0] for name, spec in SETTINGS.items()}
+
+
+def validate_setting(name: str, value: Any) -> Any:
+    """Validate one ``dedup_*`` setting; the error names the setting."""
+    return SETTINGS[name][1](value, name)
+
+
+def read_setting(conf: Mapping[str, Any], name: str) -> Any:
+    """Read and validate a ``dedup_*`` setting from ``app.conf``."""
+    value = conf.get(name)
+    if value is None:
+        return DEFAULTS[name]
+    return validate_setting(name, value)
+
+
+#: per-call option → validator; these are popped from ``apply_async`` options.
+CALL_OPTIONS: Final[Mapping[str, Callable[[Any, str], Any]]] = {
+    "deduplication_key": validate_key,
+    "unique_for": validate_unique_for,
+    "unique_until": lambda v, o: validate_choice(UniqueUntil, v, o),
+    "on_duplicate": lambda v, o: validate_choice(OnDuplicate, v, o),
+    "identity": lambda v, o: validate_choice(Identity, v, o),
+    "deterministic_id": validate_bool,
+}
+
+
+def pop_call_options(options: MutableMapping[str, Any]) -> dict[str, Any]:
+    """Pop and validate the dedup options of one ``apply_async`` call.
+
+    Popping matters: Celery would publish unknown options as broker message
+    properties. Options the caller did not pass are absent from the result.
+    """
+    given: dict[str, Any] = {}
+    for name, validate in CALL_OPTIONS.items():
+        if name in options:
+            given[name] = validate(options.pop(name), name)
+    return given
+
+
+@dataclass(frozen=True)
+class ResolvedOptions:
+    """The options that apply to one call, after call > task > settings > default."""
+
+    unique_for: float | None
+    unique_until: UniqueUntil
+    identity: Identity
+    on_duplicate: OnDuplicate
+    deterministic_id: bool
+    deduplication_key: str | None

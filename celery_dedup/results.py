@@ -1,0 +1,49 @@
+"""Results returned by ``DedupTask.apply_async``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery.result import AsyncResult
+
+from .stores.base import Lock
+
+__all__ = ["DeduplicatedResult", "mark_result"]
+
+
+class DeduplicatedResult(AsyncResult):  # type: ignore[misc]
+    """The holder's ``AsyncResult``, returned when a call was a duplicate.
+
+    ``id`` is the task id of the call that holds the lock, so ``.get()``,
+    ``.state`` and ``.revoke()`` act on the task that will actually run.
+    """
+
+    #: always True: nothing was published for this call
+    deduplicated: bool = True
+
+    def __init__(
+        self,
+        id: str,  # noqa: A002 - AsyncResult's own argument name
+        *,
+        deduplication_key: str,
+        lock: Lock | None = None,
+        duplicate_id: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(id, **kwargs)
+        #: the hashed store key the call maps to
+        self.deduplication_key = deduplication_key
+        #: the holder's lock as the store reported it (owner, expiry, policy)
+        self.lock = lock
+        #: the id this call would have had (it was never published)
+        self.duplicate_id = duplicate_id
+
+    def __repr__(self) -> str:
+        return f"<DeduplicatedResult: {self.id} (duplicate)>"
+
+
+def mark_result(result: Any, key: str | None) -> Any:
+    """Tag a published call's result with ``deduplicated=False`` and its key."""
+    result.deduplicated = False
+    result.deduplication_key = key
+    return result

@@ -1,0 +1,397 @@
+"""``DedupTask``: a Celery ``Task`` whose ``apply_async`` takes a TTL lock per call."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from celery import Task
+from celery.utils import uuid
+
+from . import events, worker
+from .exceptions import (
+    DuplicateTaskError,
+    InvalidOptionError,
+    MissingDeduplicationKey,
+    StoreUnavailable,
+)
+from .header import HEADER, NO_LOCK, LockHeader, read_header
+from .identity import (
+    ArgumentBinder,
+    Identity,
+    caller_key_material,
+    deterministic_task_id,
+    lock_key,
+)
+from .options import (
+    OnDuplicate,
+    ResolvedOptions,
+    pop_call_options,
+    validate_bool,
+    validate_choice,
+    validate_key,
+    validate_unique_for,
+)
+from .policy import UniqueUntil, lock_ttl
+from .results import DeduplicatedResult, mark_result
+from .runtime import Runtime, runtime_for
+from .signals import lock_acquired, lock_replaced, task_deduplicated
+from .stores.base import Lock, LockStore
+
+__all__ = ["DedupTask"]
+
+logger = logging.getLogger("celery_dedup")
+
+
+def _validate_unique_on(value: Any, option: str) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    names = (value,) if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise InvalidOptionError(option, value, "a parameter name or a sequence of names")
+    return tuple(names)
+
+
+def _validate_key_callable(value: Any, option: str) -> Any:
+    if value is not None and not callable(value):
+        raise InvalidOptionError(option, value, "a callable returning a string, or None")
+    return value
+
+
+#: task attribute → validator; ``None`` always means "ask the app".
+_ATTRIBUTES: Mapping[str, Callable[[Any, str], Any]] = {
+    "unique_for": validate_unique_for,
+    "unique_until": lambda v, o: None if v is None else validate_choice(UniqueUntil, v, o),
+    "identity": lambda v, o: None if v is None else validate_choice(Identity, v, o),
+    "on_duplicate": lambda v, o: None if v is None else validate_choice(OnDuplicate, v, o),
+    "deterministic_id": lambda v, o: None if v is None else validate_bool(v, o),
+    "unique_on": _validate_unique_on,
+    "deduplication_key": _validate_key_callable,
+}
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """A task's options after task attributes and app settings, resolved once."""
+
+    runtime: Runtime
+    unique_for: float
+    unique_until: UniqueUntil
+    identity: Identity
+    on_duplicate: OnDuplicate
+    deterministic_id: bool
+    key_callable: Callable[..., Any] | None
+    binder: ArgumentBinder
+
+    def resolve(self, given: Mapping[str, Any]) -> ResolvedOptions:
+        """Apply one call's options (already validated) over the task's."""
+        return ResolvedOptions(
+            unique_for=given.get("unique_for", self.unique_for),
+            unique_until=given.get("unique_until", self.unique_until),
+            identity=given.get("identity", self.identity),
+            on_duplicate=given.get("on_duplicate", self.on_duplicate),
+            deterministic_id=given.get("deterministic_id", self.deterministic_id),
+            deduplication_key=given.get("deduplication_key"),
+        )
+
+
+class DedupTask(Task):  # type: ignore[misc]
+    """A task whose enqueueing is idempotent.
+
+    Every call through ``apply_async`` (``delay``, signatures, chains, beat,
+    Flower) takes a TTL lock keyed on the call's identity before it is
+    published; a second call while the lock is held publishes nothing and
+    returns the holder's result (or raises, or replaces it: ``on_duplicate``).
+    """
+
+    #: Seconds (int, float or ``timedelta``) a lock lives; ``None`` asks
+    #: ``dedup_default_ttl``. Scheduled calls add their delay.
+    unique_for: float | timedelta | None = None
+
+    #: When the lock is released: ``"start"``, ``"success"``, ``"finish"`` or
+    #: ``"expiry"``; ``None`` asks ``dedup_default_unique_until``.
+    unique_until: UniqueUntil | str | None = None
+
+    #: How calls are identified without a key: ``"strict"``,
+    #: ``"caller_provided"`` or ``"always_unique"``; ``None`` asks the app.
+    identity: Identity | str | None = None
+
+    #: What a duplicate call does: ``"existing"``, ``"raise"`` or ``"replace"``.
+    on_duplicate: OnDuplicate | str | None = None
+
+    #: Parameter names the strict identity is restricted to.
+    unique_on: Sequence[str] | str | None = None
+
+    #: A callable taking the call's arguments and returning the key string.
+    deduplication_key: Callable[..., str] | None = None
+
+    #: Derive the task id from the lock key (uuid5), the same for every producer.
+    deterministic_id: bool | None = None
+
+    _dedup_config: TaskConfig | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name, validate in _ATTRIBUTES.items():
+            if name in cls.__dict__:
+                validate(cls.__dict__[name], name)
+        key_callable = cls.__dict__.get("deduplication_key")
+        if key_callable is not None and not isinstance(key_callable, staticmethod):
+            # A function stored on the class would become a bound method.
+            cls.deduplication_key = staticmethod(key_callable)
+
+    # -- configuration -----------------------------------------------------
+
+    def dedup_config(self) -> TaskConfig:
+        """This task's resolved options (task attributes over app settings), cached."""
+        config = self._dedup_config
+        if config is None:
+            config = self._dedup_config = self._build_config()
+        return config
+
+    def _build_config(self) -> TaskConfig:
+        runtime = runtime_for(self.app)
+        settings = runtime.settings
+        unique_for = validate_unique_for(self.unique_for)
+        return TaskConfig(
+            runtime=runtime,
+            unique_for=unique_for if unique_for is not None else settings.default_ttl,
+            unique_until=_choice(UniqueUntil, self.unique_until, settings.default_unique_until),
+            identity=_choice(Identity, self.identity, settings.default_identity),
+            on_duplicate=_choice(OnDuplicate, self.on_duplicate, settings.default_on_duplicate),
+            deterministic_id=bool(self.deterministic_id),
+            key_callable=self.deduplication_key,
+            binder=ArgumentBinder(self.run, self.name, _validate_unique_on(self.unique_on, "")),
+        )
+
+    # -- keys --------------------------------------------------------------
+
+    def dedup_key(
+        self,
+        args: Sequence[Any] | None,
+        kwargs: Mapping[str, Any] | None,
+        call: ResolvedOptions,
+        queue: Any = None,
+    ) -> str | None:
+        """The lock key of a call, or ``None`` when the call takes no lock."""
+        config = self.dedup_config()
+        caller_key = call.deduplication_key
+        if caller_key is None and config.key_callable is not None:
+            caller_key = validate_key(
+                config.key_callable(*(args or ()), **(kwargs or {})), "deduplication_key"
+            )
+        prefix = config.runtime.settings.key_prefix
+        if caller_key is not None:
+            return lock_key(prefix, self.name, caller_key_material(caller_key))
+        if call.identity is Identity.CALLER_PROVIDED:
+            raise MissingDeduplicationKey(task_name=self.name)
+        if call.identity is Identity.ALWAYS_UNIQUE:
+            return None
+        queue_name = getattr(queue, "name", queue) or getattr(self, "queue", None)
+        return lock_key(prefix, self.name, config.binder.identity(queue_name, args, kwargs))
+
+    # -- enqueue -----------------------------------------------------------
+
+    def apply_async(
+        self,
+        args: Sequence[Any] | None = None,
+        kwargs: Mapping[str, Any] | None = None,
+        task_id: str | None = None,
+        producer: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        shadow: str | None = None,
+        **options: Any,
+    ) -> Any:
+        """Take the call's lock, then publish; or return/raise for a duplicate.
+
+        Accepts, besides Celery's options: ``deduplication_key``,
+        ``unique_for`` (``None``/``0`` publishes with no lock at all),
+        ``unique_until``, ``on_duplicate``, ``identity`` and ``deterministic_id``.
+        """
+        given = pop_call_options(options)
+        config = self.dedup_config()
+
+        def publish(task_id: str, header: LockHeader) -> Any:
+            options["headers"] = {**(options.get("headers") or {}), HEADER: header.encode()}
+            return super(DedupTask, self).apply_async(
+                args, kwargs, task_id, producer, link, link_error, shadow, **options
+            )
+
+        if self._is_holder_republish(task_id, options):
+            assert task_id is not None
+            return worker.republish_as_holder(self, task_id, options, publish)
+        if given.get("unique_for", ...) is None:
+            return mark_result(publish(task_id or uuid(), NO_LOCK), None)
+        call = config.resolve(given)
+        key = self.dedup_key(args, kwargs, call, options.get("queue"))
+        if key is None:
+            return mark_result(publish(task_id or uuid(), NO_LOCK), None)
+        if task_id is None:
+            task_id = deterministic_task_id(key) if call.deterministic_id else uuid()
+        assert call.unique_for is not None
+        ttl = lock_ttl(call.unique_for, countdown=options.get("countdown"), eta=options.get("eta"))
+        header = LockHeader(
+            key=key,
+            until=call.unique_until,
+            unique_for=call.unique_for,
+            replace=call.on_duplicate is OnDuplicate.REPLACE,
+        )
+        store = config.runtime.store
+        if store is None:
+            config.runtime.fall_back(self.name, None)
+            return mark_result(publish(task_id, NO_LOCK), key)
+        meta = {"task_name": self.name, "policy": call.unique_until.value}
+        try:
+            if header.replace:
+                previous = store.take_over(key, task_id, ttl, meta)
+                holder = None
+            else:
+                holder = store.acquire(key, task_id, ttl, meta)
+        except StoreUnavailable as exc:
+            config.runtime.fall_back(self.name, exc)
+            return mark_result(publish(task_id, NO_LOCK), key)
+
+        if holder is not None:
+            if _is_canvas_member(options):
+                # Celery froze this member's id and a chord counts on it.
+                return mark_result(publish(task_id, NO_LOCK), key)
+            return self._duplicate(call, key, holder, task_id, args, kwargs, options)
+
+        config.runtime.metrics.incr(self.name, "acquired")
+        lock_acquired.send(sender=self, key=key, task_id=task_id, ttl=ttl, policy=header.until.value)
+        result = self._publish_locked(store, key, task_id, header, publish)
+        if header.replace and previous is not None and previous.owner != task_id:
+            self._revoke_replaced(key, task_id, previous)
+        return mark_result(result, key)
+
+    def _publish_locked(
+        self,
+        store: LockStore,
+        key: str,
+        task_id: str,
+        header: LockHeader,
+        publish: Callable[[str, LockHeader], Any],
+    ) -> Any:
+        """Publish; if publishing raises, release the lock just taken and re-raise."""
+        if self.app.conf.task_always_eager:
+            # The task runs inside publish(); its own hooks apply the policy.
+            return publish(task_id, header)
+        try:
+            return publish(task_id, header)
+        except BaseException:
+            worker.release(self, store, key, task_id, "publish_failed")
+            raise
+
+    def _is_holder_republish(self, task_id: str | None, options: Mapping[str, Any]) -> bool:
+        """A ``retry()`` or ``replace()`` from inside the holder's own execution."""
+        if task_id is None or not (options.get("retries") or options.get("replaced_task_nesting")):
+            return False
+        current = self.app.current_worker_task
+        return current is not None and current.request.id == task_id
+
+    def _duplicate(
+        self,
+        call: ResolvedOptions,
+        key: str,
+        holder: Lock,
+        duplicate_id: str,
+        args: Any,
+        kwargs: Any,
+        options: Mapping[str, Any],
+    ) -> DeduplicatedResult:
+        """Report a suppressed call, then return the holder's result or raise."""
+        runtime = self.dedup_config().runtime
+        if duplicate_id == holder.owner:
+            duplicate_id = uuid()  # a deterministic id: the event needs its own uuid
+        logger.debug(
+            "celery-dedup: %s duplicate suppressed (key %s, ttl %.1fs)",
+            self.name,
+            key.rsplit(":", 1)[-1][:16],
+            holder.ttl,
+        )
+        runtime.metrics.incr(self.name, "deduplicated")
+        task_deduplicated.send(
+            sender=self,
+            key=key,
+            existing_task_id=holder.owner,
+            duplicate_id=duplicate_id,
+            args=args,
+            kwargs=kwargs,
+            ttl=holder.ttl,
+        )
+        if runtime.settings.send_events:
+            events.send_deduplicated(
+                self.app,
+                task_name=self.name,
+                duplicate_id=duplicate_id,
+                holder_id=holder.owner,
+                args=args,
+                kwargs=kwargs,
+            )
+        must_not_raise = self.app.current_worker_task is not None or (
+            (options.get("headers") or {}).get("celery_beat_task")
+        )
+        if call.on_duplicate is OnDuplicate.RAISE and not must_not_raise:
+            raise DuplicateTaskError(
+                task_name=self.name, key=key, existing_task_id=holder.owner, ttl=holder.ttl
+            )
+        return DeduplicatedResult(
+            holder.owner,
+            app=self.app,
+            backend=self.backend,
+            task_name=self.name,
+            deduplication_key=key,
+            lock=holder,
+            duplicate_id=duplicate_id,
+        )
+
+    def _revoke_replaced(self, key: str, task_id: str, previous: Lock) -> None:
+        """Revoke the holder a ``replace`` call took over from (best effort)."""
+        lock_replaced.send(sender=self, key=key, task_id=task_id, previous_task_id=previous.owner)
+        try:
+            self.app.control.revoke(previous.owner)
+        except Exception:
+            # The replaced task also checks ownership when it starts.
+            logger.warning("celery-dedup: could not broadcast revoke of a replaced task",
+                           exc_info=True)
+
+    # -- worker-side hooks -------------------------------------------------
+
+    def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
+        """Skip the body if this task no longer owns its lock; release ``start`` locks."""
+        super().before_start(task_id, args, kwargs)
+        worker.on_start(self, task_id, args, kwargs)
+
+    def on_success(self, retval: Any, task_id: str, args: Any, kwargs: Any) -> None:
+        """Release ``success`` and ``finish`` locks."""
+        worker.on_outcome(self, task_id, succeeded=True)
+        super().on_success(retval, task_id, args, kwargs)
+
+    def on_failure(
+        self, exc: BaseException, task_id: str, args: Any, kwargs: Any, einfo: Any
+    ) -> None:
+        """Release ``finish`` locks after a final failure (retries keep them)."""
+        worker.on_outcome(self, task_id, succeeded=False)
+        super().on_failure(exc, task_id, args, kwargs, einfo)
+
+    def dedup_header(self, task_id: str) -> LockHeader | None:
+        """The ``celery_dedup`` header of the running request ``task_id``."""
+        request = self.request
+        if request.id == task_id:
+            found = read_header(request.headers) or read_header(
+                {HEADER: getattr(request, HEADER, None)}
+            )
+            return found
+        return worker.header_from_main_process(task_id)
+
+
+def _choice(enum: Any, value: Any, default: Any) -> Any:
+    return default if value is None else validate_choice(enum, value, "")
+
+
+def _is_canvas_member(options: Mapping[str, Any]) -> bool:
+    return bool(options.get("group_id") or options.get("chord"))
