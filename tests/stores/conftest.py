@@ -14,7 +14,7 @@ import pytest
 from celery_dedup.stores.memory import MemoryStore
 from celery_dedup.stores.redis import RedisStore
 from tests.fixtures.redis import RedisServer
-from tests.fixtures.store_case import StoreCase
+from tests.fixtures._store_case import StoreCase
 
 STORES = [
     pytest.param("store_memory", marks=pytest.mark.memory, id="memory"),
