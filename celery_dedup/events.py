@@ -1,9 +1,19 @@
-"""``task-deduplicated`` events for Flower and other event consumers.
+"""Task events for Flower and other event consumers.
 
-Each suppressed call is reported under its own never-published uuid with
-``parent_id`` set to the holder, from a dispatcher with a stable hostname;
-an event is never sent under the holder's uuid, which would overwrite the
-holder's state and worker in Flower.
+* ``task-deduplicated``: each suppressed call is reported under its own
+  never-published uuid with ``parent_id`` set to the holder, from a
+  dispatcher with a stable hostname (``celery-dedup@<host>``). An event is
+  never sent under the holder's uuid, which would overwrite the holder's
+  state and worker in Flower. Flower shows it as state ``DEDUPLICATED``.
+* ``task-ignored``: a task the worker skipped because another task holds its
+  lock (``task_skipped``) is reported under its own uuid from the worker's
+  hostname, so Flower shows it as ``IGNORED`` (the state the result backend
+  has) instead of leaving it ``STARTED`` forever.
+
+Both are sent when ``dedup_send_events`` is on (default:
+``task_send_sent_event``); ``task-ignored`` also when
+``worker_send_task_events`` is. Events are silently dropped on the ``sqla``
+broker and, on Redis, when no monitor is listening.
 """
 
 from __future__ import annotations
@@ -14,14 +24,20 @@ from typing import TYPE_CHECKING, Any, Final
 
 from celery.utils.saferepr import saferepr
 
+from .signals import task_skipped
+
 if TYPE_CHECKING:
     from celery import Celery
 
-__all__ = ["EVENT_TYPE", "dispatcher_hostname", "send_deduplicated"]
+__all__ = ["EVENT_TYPE", "SKIPPED_EVENT_TYPE", "dispatcher_hostname", "send_deduplicated",
+           "send_skipped"]
 
 logger = logging.getLogger("celery_dedup")
 
 EVENT_TYPE: Final = "task-deduplicated"
+
+#: the event a worker-side skip is reported with (Flower state ``IGNORED``)
+SKIPPED_EVENT_TYPE: Final = "task-ignored"
 
 
 def dispatcher_hostname() -> str:
@@ -58,3 +74,56 @@ def send_deduplicated(
             )
     except Exception:
         logger.warning("celery-dedup: could not send a %s event", EVENT_TYPE, exc_info=True)
+
+
+def send_skipped(
+    app: Celery,
+    *,
+    task_name: str,
+    task_id: str,
+    hostname: str | None,
+    existing_task_id: str | None,
+    reason: str,
+) -> None:
+    """Emit one ``task-ignored`` event for a task the worker skipped.
+
+    Sent under the skipped task's own id from the worker's hostname; failures
+    are logged, never raised.
+    """
+    try:
+        with app.events.default_dispatcher(hostname=hostname or dispatcher_hostname()) as d:
+            d.send(
+                SKIPPED_EVENT_TYPE,
+                uuid=task_id,
+                name=task_name,
+                result=f"skipped ({reason}): lock held by {existing_task_id}",
+            )
+    except Exception:
+        logger.warning(
+            "celery-dedup: could not send a %s event", SKIPPED_EVENT_TYPE, exc_info=True
+        )
+
+
+@task_skipped.connect(weak=False)
+def _report_skip(
+    sender: Any = None,
+    task_id: str | None = None,
+    existing_task_id: str | None = None,
+    reason: str = "",
+    **_: Any,
+) -> None:
+    """``task_skipped`` receiver: report the skip to Flower when events are on."""
+    runtime_of = getattr(sender, "dedup_config", None)
+    if runtime_of is None or task_id is None:
+        return
+    app = sender.app
+    if not (runtime_of().runtime.settings.send_events or app.conf.worker_send_task_events):
+        return
+    send_skipped(
+        app,
+        task_name=sender.name,
+        task_id=task_id,
+        hostname=getattr(sender.request, "hostname", None),
+        existing_task_id=existing_task_id,
+        reason=reason,
+    )

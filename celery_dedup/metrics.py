@@ -1,35 +1,188 @@
 """Per-task counters of what celery-dedup did: acquired, deduplicated, released, fallback.
 
 Counted in-process and added to the store in batches, so counting never
-costs a round trip per call.
+costs a round trip per call:
+
+* ``incr`` only adds to a local ``Counter``; once at least
+  ``dedup_metrics_flush_interval`` seconds (default 5) have passed since the
+  last flush, the call that notices it adds the whole batch to the store with
+  ``CounterSupport.add_counts`` (one round trip for every counter);
+* pending counts are also flushed at ``worker_process_shutdown``,
+  ``worker_shutdown`` and interpreter exit (``atexit``);
+* a forked child drops the counts it inherited (the parent still has them
+  and flushes them itself), so nothing is counted twice.
+
+Counts of a store that cannot keep counters (no ``add_counts``), or that is
+unreachable, stay pending in the process and are retried at the next flush.
 """
 
 from __future__ import annotations
 
+import atexit
+import logging
+import os
 import threading
+import time
+import weakref
 from collections import Counter
-from typing import Final
+from collections.abc import Callable, Mapping
+from typing import Any, Final
 
-__all__ = ["EVENTS", "Metrics"]
+from celery.signals import worker_process_shutdown, worker_shutdown
+
+from .exceptions import InvalidOptionError
+from .stores.base import CounterSupport
+
+__all__ = [
+    "DEFAULT_FLUSH_INTERVAL",
+    "EVENTS",
+    "FLUSH_INTERVAL_SETTING",
+    "Metrics",
+    "flush_all",
+    "flush_interval",
+]
+
+logger = logging.getLogger("celery_dedup")
 
 #: the counter names
 EVENTS: Final = ("acquired", "deduplicated", "released", "fallback", "skipped")
 
+#: the setting that bounds how often counts are written to the store
+FLUSH_INTERVAL_SETTING: Final = "dedup_metrics_flush_interval"
+
+#: seconds between two flushes when the setting is not set
+DEFAULT_FLUSH_INTERVAL: Final = 5.0
+
+#: every live ``Metrics``, for the exit and fork hooks
+_INSTANCES: weakref.WeakSet[Metrics] = weakref.WeakSet()
+
+
+def flush_interval(conf: Mapping[str, Any]) -> float:
+    """Read ``dedup_metrics_flush_interval`` (seconds, ``>= 0``) from ``app.conf``.
+
+    ``0`` flushes on every count: one more round trip per call, for tests only.
+    """
+    value = conf.get(FLUSH_INTERVAL_SETTING)
+    if value is None:
+        return DEFAULT_FLUSH_INTERVAL
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1e9:
+        raise InvalidOptionError(FLUSH_INTERVAL_SETTING, value, "a number of seconds >= 0")
+    return float(value)
+
 
 class Metrics:
-    """Counters not yet flushed to the store, per ``(task name, event)``."""
+    """Counters not yet flushed to the store, per ``(task name, event)``.
 
-    def __init__(self) -> None:
+    ``store`` is called (only when flushing) to get the store to add counts
+    to; ``prefix`` namespaces them there (the app's ``dedup_key_prefix``).
+    Without ``store`` the counts only accumulate until ``take``.
+    """
+
+    def __init__(
+        self,
+        store: Callable[[], object] | None = None,
+        *,
+        prefix: str = "celery-dedup",
+        interval: float = DEFAULT_FLUSH_INTERVAL,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._store = store
+        self.prefix = prefix
+        self.interval = interval
+        self._clock = clock
         self._pending: Counter[tuple[str, str]] = Counter()
         self._lock = threading.Lock()
+        self._due = clock() + interval
+        self._warned = False
+        _INSTANCES.add(self)
 
     def incr(self, task_name: str, event: str, n: int = 1) -> None:
-        """Count ``n`` occurrences of ``event`` for ``task_name``."""
+        """Count ``n`` occurrences of ``event``; flush if the interval has passed."""
         with self._lock:
             self._pending[(task_name, event)] += n
+            if self._store is None:
+                return
+            now = self._clock()
+            if now < self._due:
+                return
+            # Claimed under the lock: only one thread flushes per interval.
+            self._due = now + self.interval
+        self.flush()
 
     def take(self) -> dict[tuple[str, str], int]:
         """Return and forget the pending counts."""
         with self._lock:
             pending, self._pending = dict(self._pending), Counter()
         return pending
+
+    def pending(self) -> dict[tuple[str, str], int]:
+        """A snapshot of the counts not flushed yet."""
+        with self._lock:
+            return dict(self._pending)
+
+    def _put_back(self, counts: Mapping[tuple[str, str], int]) -> None:
+        with self._lock:
+            self._pending.update(counts)
+
+    def flush(self) -> bool:
+        """Add the pending counts to the store in one round trip.
+
+        Returns whether nothing is left pending. Never raises: on a store
+        error (or a store without counters) the counts are kept for the next
+        flush.
+        """
+        counts = self.take()
+        if not counts:
+            return True
+        store = self._store() if self._store is not None else None
+        if not isinstance(store, CounterSupport):
+            self._put_back(counts)
+            return False
+        try:
+            store.add_counts(self.prefix, counts)
+        except Exception as exc:
+            self._put_back(counts)
+            level = logging.DEBUG if self._warned else logging.WARNING
+            self._warned = True
+            logger.log(level, "celery-dedup: could not flush metrics to the store: %s", exc)
+            return False
+        return True
+
+    def read(self) -> dict[tuple[str, str], int]:
+        """Flush this process's counts, then return the store's counters.
+
+        Raises ``TypeError`` if the store keeps no counters, and the store's
+        own errors (``StoreUnavailable``) if it cannot be read.
+        """
+        self.flush()
+        store = self._store() if self._store is not None else None
+        if not isinstance(store, CounterSupport):
+            raise TypeError(f"the lock store {store!r} keeps no counters")
+        return store.read_counts(self.prefix)
+
+    def _after_fork_in_child(self) -> None:
+        # The lock may have been held by another thread at fork time.
+        self._lock = threading.Lock()
+        self._pending = Counter()
+        self._due = self._clock() + self.interval
+
+
+def flush_all() -> None:
+    """Flush every ``Metrics`` of this process (exit and worker-shutdown hook)."""
+    for metrics in list(_INSTANCES):
+        metrics.flush()
+
+
+def _after_fork_in_child() -> None:
+    for metrics in list(_INSTANCES):
+        metrics._after_fork_in_child()
+
+
+def _on_shutdown(*args: Any, **kwargs: Any) -> None:
+    flush_all()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+atexit.register(flush_all)
+worker_process_shutdown.connect(_on_shutdown, weak=False)
+worker_shutdown.connect(_on_shutdown, weak=False)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from .exceptions import DeduplicationUnavailable, StoreUnavailable
 from .identity import Identity
-from .metrics import Metrics
+from .metrics import Metrics, flush_interval
 from .options import Fallback, OnDuplicate, read_setting
 from .policy import UniqueUntil
 from .signals import dedup_fallback
@@ -92,7 +92,11 @@ class Runtime:
         self._store_lock = threading.Lock()
         self._warned: set[str] = set()
         #: counters not yet flushed to the store
-        self.metrics = Metrics()
+        self.metrics = Metrics(
+            lambda: self.store,
+            prefix=self.settings.key_prefix,
+            interval=flush_interval(app.conf),
+        )
 
     @property
     def store(self) -> LockStore | None:

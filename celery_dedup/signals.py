@@ -7,8 +7,12 @@ Connect receivers like Celery's own signals::
     @task_deduplicated.connect
     def on_duplicate(sender, key, existing_task_id, **kwargs): ...
 
-``sender`` is always the task (a ``DedupTask`` instance). Keys are the hashed
-store keys, never raw arguments.
+``sender`` is the task (a ``DedupTask`` instance) except where noted below.
+``key`` is always the hashed store key (``<prefix>:<task name>:<sha256>``),
+never raw arguments. Receivers run synchronously in the process and thread
+that sent the signal (the publisher, or the worker's pool process), so they
+must be quick and must not raise: an exception in a receiver propagates like
+any Celery signal's (use ``connect`` as usual; ``send_robust`` is not used).
 """
 
 from __future__ import annotations
@@ -26,47 +30,64 @@ __all__ = [
 
 #: A call was a duplicate and nothing was published (``on_duplicate`` =
 #: ``"existing"`` or ``"raise"``). Sent in the publishing process, before
-#: ``DuplicateTaskError`` is raised. ``duplicate_id`` is the id the call
-#: would have had; it was never published.
+#: ``DuplicateTaskError`` is raised and before the ``task-deduplicated``
+#: event. ``existing_task_id`` is the holder; ``duplicate_id`` is the id the
+#: call would have had (never published; the event's uuid); ``args`` and
+#: ``kwargs`` are the call's own (raw) arguments; ``ttl`` is the seconds left
+#: on the holder's lock.
 task_deduplicated = Signal(
     name="task_deduplicated",
-    providing_args={"key", "existing_task_id", "duplicate_id", "args", "kwargs", "ttl"},
+    providing_args=["key", "existing_task_id", "duplicate_id", "args", "kwargs", "ttl"],
 )
 
 #: A lock was taken for a new task id, just before its message is published
 #: (or, for messages that bypassed ``apply_async``, when the worker starts it).
+#: ``task_id`` is the new holder, ``ttl`` the lock's lifetime in seconds
+#: (``unique_for`` plus any countdown/ETA), ``policy`` the ``unique_until``
+#: value (``"start"``, ``"success"``, ``"finish"`` or ``"expiry"``). Also sent
+#: by ``on_duplicate="replace"`` before ``lock_replaced``.
 lock_acquired = Signal(
     name="lock_acquired",
-    providing_args={"key", "task_id", "ttl", "policy"},
+    providing_args=["key", "task_id", "ttl", "policy"],
 )
 
-#: A lock was actively released by its owner. ``reason`` is one of
-#: ``"start"``, ``"success"``, ``"failure"``, ``"revoked"``, ``"publish_failed"``,
-#: ``"manual"``, ``"reaped"``. Sent only when the store deleted the lock.
+#: A lock was actively released. Sent only when the store deleted the lock
+#: (an expired lock sends nothing). ``task_id`` is the owner it was released
+#: for. ``reason`` is ``"start"``, ``"success"`` or ``"failure"`` (the worker,
+#: per ``unique_until``), ``"revoked"``/``"expired"`` (a revoked or expired
+#: message reached a worker, or ``celery_dedup.revoke``), ``"publish_failed"``
+#: (publishing raised after the lock was taken) or ``"manual"``
+#: (``celery_dedup.release``, ``celery dedup release``/``purge``). ``sender`` is
+#: the task for worker and publisher releases, ``None`` for the API and CLI.
 lock_released = Signal(
     name="lock_released",
-    providing_args={"key", "task_id", "reason"},
+    providing_args=["key", "task_id", "reason"],
 )
 
 #: ``on_duplicate="replace"`` took a lock over: ``task_id`` is the new holder,
 #: ``previous_task_id`` the one that is being revoked.
 lock_replaced = Signal(
     name="lock_replaced",
-    providing_args={"key", "task_id", "previous_task_id"},
+    providing_args=["key", "task_id", "previous_task_id"],
 )
 
 #: No lock could be used and ``dedup_fallback`` decided: ``reason`` is
 #: ``"no_store"`` or ``"unavailable"``, ``action`` is ``"open"`` (published
-#: without a lock) or ``"closed"`` (``DeduplicationUnavailable`` raised).
+#: without a lock) or ``"closed"`` (``DeduplicationUnavailable`` raised),
+#: ``error`` the ``StoreUnavailable`` (``None`` for ``"no_store"``). Here
+#: ``sender`` is the task's **name** (a string). Sent before publishing or
+#: raising.
 dedup_fallback = Signal(
     name="dedup_fallback",
-    providing_args={"reason", "action", "error"},
+    providing_args=["reason", "action", "error"],
 )
 
 #: A worker did not run a task because another task holds its lock (a message
 #: that bypassed ``apply_async``, or a task replaced by a newer call). The
-#: task ends in state ``IGNORED``.
+#: task ends in state ``IGNORED``. ``task_id`` is the skipped task,
+#: ``existing_task_id`` the holder, ``reason`` ``"replaced"`` or
+#: ``"unannounced duplicate"``. Sent in the worker's pool process.
 task_skipped = Signal(
     name="task_skipped",
-    providing_args={"key", "task_id", "existing_task_id", "reason"},
+    providing_args=["key", "task_id", "existing_task_id", "reason"],
 )

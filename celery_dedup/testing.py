@@ -1,0 +1,195 @@
+"""Helpers for testing code that uses celery-dedup.
+
+None of them needs pytest; they are context managers and plain functions
+that fit fixtures::
+
+    import pytest
+    from celery_dedup.testing import memory_store
+
+    @pytest.fixture
+    def dedup_store(celery_app):
+        with memory_store(celery_app) as store:
+            yield store
+
+    def test_second_call_is_a_duplicate(dedup_store):
+        first = sync_address.delay(42, {"zip": "10115"})
+        assert_not_deduplicated(first)
+        assert_deduplicated(sync_address.delay(42, {"zip": "10115"}))
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from . import signals
+from .exceptions import DedupError
+from .runtime import runtime_for
+from .stores.base import Lock, LockStore
+from .stores.memory import MemoryStore
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+    from .task import DedupTask
+
+__all__ = [
+    "CapturedSignal",
+    "CapturedSignals",
+    "assert_deduplicated",
+    "assert_not_deduplicated",
+    "capture_dedup_signals",
+    "held_locks",
+    "memory_store",
+]
+
+#: Every signal ``capture_dedup_signals`` records, by name.
+SIGNALS = {
+    "dedup_fallback": signals.dedup_fallback,
+    "lock_acquired": signals.lock_acquired,
+    "lock_released": signals.lock_released,
+    "lock_replaced": signals.lock_replaced,
+    "task_deduplicated": signals.task_deduplicated,
+    "task_skipped": signals.task_skipped,
+}
+
+
+@contextmanager
+def memory_store(
+    app: Celery, *, clock: Callable[[], float] = time.time
+) -> Iterator[MemoryStore]:
+    """Point ``app`` at a fresh, empty ``MemoryStore`` until the block ends.
+
+    Every ``DedupTask`` of ``app`` (producer side, eager runs and in-process
+    test workers from ``celery.contrib.testing.worker``) uses the new store;
+    afterwards the app's previous store comes back, or, if the app had not
+    resolved its store yet, it is resolved again from its settings on next
+    use. ``clock`` is the store's time source (pass a fake one to expire
+    locks without sleeping). Yields the store.
+    """
+    runtime = runtime_for(app)
+    # The store is swapped inside the existing Runtime rather than replaced
+    # with a new one: tasks cache the Runtime they resolved.
+    with runtime._store_lock:
+        previous: tuple[LockStore | None, bool] = (runtime._store, runtime._store_resolved)
+    store = MemoryStore(clock=clock)
+    runtime.use_store(store)
+    try:
+        yield store
+    finally:
+        with runtime._store_lock:
+            runtime._store, runtime._store_resolved = previous
+
+
+def _describe(result: Any) -> str:
+    task_id = getattr(result, "id", None)
+    key = getattr(result, "deduplication_key", None)
+    digest = key.rsplit(":", 1)[-1][:16] if isinstance(key, str) else None
+    return f"{type(result).__name__} {task_id} (key {digest or 'none'})"
+
+
+def _deduplicated_flag(result: Any) -> bool:
+    flag = getattr(result, "deduplicated", None)
+    if not isinstance(flag, bool):
+        raise AssertionError(
+            f"{_describe(result)} has no `deduplicated` flag: it was not returned by "
+            "DedupTask.apply_async (or delay) or enqueue_many"
+        )
+    return flag
+
+
+def assert_deduplicated(result: Any) -> None:
+    """Assert that ``result`` comes from a suppressed duplicate call.
+
+    ``result`` is what ``DedupTask.apply_async``/``delay`` or ``enqueue_many``
+    returned. Raises ``AssertionError`` if the call was published, or if
+    ``result`` did not come from celery-dedup at all.
+    """
+    if not _deduplicated_flag(result):
+        raise AssertionError(
+            f"expected a suppressed duplicate, but the call was published as "
+            f"{_describe(result)}"
+        )
+
+
+def assert_not_deduplicated(result: Any) -> None:
+    """Assert that ``result`` comes from a call that was published.
+
+    Raises ``AssertionError`` naming the holder's task id if the call was a
+    duplicate, or if ``result`` did not come from celery-dedup at all.
+    """
+    if _deduplicated_flag(result):
+        raise AssertionError(
+            f"expected the call to be published, but it was suppressed as a duplicate "
+            f"of task {getattr(result, 'id', None)} ({_describe(result)})"
+        )
+
+
+def held_locks(app: Celery, task: DedupTask | str | None = None) -> list[Lock]:
+    """The live locks in ``app``'s store, sorted by key.
+
+    ``task`` (a task or a task name) restricts the list to that task's
+    locks; ``enqueue_many`` batch locks are listed under the task name
+    ``celery_dedup.batch``. Raises ``DedupError`` when the app has no store.
+    """
+    runtime = runtime_for(app)
+    store = runtime.store
+    if store is None:
+        raise DedupError("this app has no lock store (set dedup_store or use memory_store)")
+    prefix = runtime.settings.key_prefix + ":"
+    if task is not None:
+        prefix += (task if isinstance(task, str) else task.name) + ":"
+    return sorted(store.scan(prefix), key=lambda lock: lock.key)
+
+
+@dataclass(frozen=True)
+class CapturedSignal:
+    """One signal send recorded by ``capture_dedup_signals``."""
+
+    #: the signal's name, e.g. ``"task_deduplicated"``
+    name: str
+    #: the ``sender`` it was sent with (usually the task)
+    sender: Any
+    #: the other keyword arguments it was sent with
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+class CapturedSignals(list[CapturedSignal]):
+    """The sends recorded by ``capture_dedup_signals``, in order."""
+
+    def named(self, name: str) -> list[CapturedSignal]:
+        """The recorded sends of the signal called ``name``."""
+        if name not in SIGNALS:
+            raise ValueError(f"no celery-dedup signal is called {name!r}: {sorted(SIGNALS)}")
+        return [sent for sent in self if sent.name == name]
+
+
+@contextmanager
+def capture_dedup_signals() -> Iterator[CapturedSignals]:
+    """Record every celery-dedup signal sent while the block runs.
+
+    Yields a list of ``CapturedSignal`` that fills as signals are sent (from
+    any thread of this process, so an in-process test worker counts too).
+    Receivers are disconnected when the block ends.
+    """
+    captured = CapturedSignals()
+    receivers: list[tuple[Any, Callable[..., None]]] = []
+
+    def receiver_for(name: str) -> Callable[..., None]:
+        def receive(sender: Any = None, signal: Any = None, **kwargs: Any) -> None:
+            captured.append(CapturedSignal(name=name, sender=sender, kwargs=kwargs))
+
+        return receive
+
+    try:
+        for name, signal in SIGNALS.items():
+            receiver = receiver_for(name)
+            signal.connect(receiver, weak=False)
+            receivers.append((signal, receiver))
+        yield captured
+    finally:
+        for signal, receiver in receivers:
+            signal.disconnect(receiver)
