@@ -17,6 +17,8 @@ if TYPE_CHECKING:
     from celery import Celery
     from celery.result import AsyncResult
 
+    Result = AsyncResult[Any]
+
     from .task import DedupTask
 
 __all__ = ["dedup_key_for", "inspect_lock", "release", "revoke"]
@@ -55,7 +57,7 @@ def inspect_lock(key: str, *, app: Celery | None = None) -> Lock | None:
 
 
 def release(
-    target: AsyncResult | str,
+    target: Result | str,
     *,
     owner: str | None = None,
     force: bool = False,
@@ -78,10 +80,10 @@ def release(
                 return False
             owner = holder.owner
     else:
-        key = getattr(target, "deduplication_key", None) or _key_of_owner(store, app, target.id)
-        owner = owner or target.id
-        if key is None:
+        found = getattr(target, "deduplication_key", None) or _key_of_owner(store, app, target.id)
+        if found is None:
             return False
+        key, owner = found, owner or target.id
     released = store.release(key, owner)
     if released:
         lock_released.send(sender=None, key=key, task_id=owner, reason="manual")
@@ -89,7 +91,7 @@ def release(
 
 
 def revoke(
-    result: AsyncResult | str,
+    result: Result | str,
     *,
     terminate: bool = False,
     signal: str | None = None,

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from celery import current_app, group
 from celery.canvas import Signature
 from celery.result import GroupResult
 
-from .exceptions import DuplicateTaskError, StoreUnavailable
+from .exceptions import DuplicateTaskError, InvalidOptionError, StoreUnavailable
 from .identity import caller_key_material, lock_key
 from .options import OnDuplicate, validate_choice, validate_key, validate_positive_seconds
 from .policy import UniqueUntil
@@ -45,7 +46,8 @@ def enqueue_many(
     app = app or (sigs[0].app if sigs else None) or current_app
     runtime = runtime_for(app)
     key_text = validate_key(deduplication_key)
-    assert key_text is not None
+    if key_text is None:
+        raise InvalidOptionError("deduplication_key", deduplication_key, "a non-empty string")
     ttl = (
         runtime.settings.default_ttl
         if unique_for is None
@@ -56,7 +58,7 @@ def enqueue_many(
         raise ValueError("enqueue_many does not support on_duplicate='replace'")
     key = lock_key(runtime.settings.key_prefix, BATCH_TASK_NAME, caller_key_material(key_text))
     batch = group(sigs, app=app)
-    frozen: GroupResult = batch.freeze()
+    group_id = str(cast(GroupResult, batch.freeze()).id)
     store = runtime.store
     holder = None
     if store is None:
@@ -64,42 +66,47 @@ def enqueue_many(
     else:
         meta = {"task_name": BATCH_TASK_NAME, "policy": UniqueUntil.EXPIRY.value}
         try:
-            holder = store.acquire(key, frozen.id, ttl, meta)
+            holder = store.acquire(key, group_id, ttl, meta)
         except StoreUnavailable as exc:
             runtime.fall_back(BATCH_TASK_NAME, exc)
             store = None
     if holder is not None:
         task_deduplicated.send(
-            sender=None, key=key, existing_task_id=holder.owner, duplicate_id=frozen.id,
-            args=None, kwargs=None, ttl=holder.ttl,
+            sender=None,
+            key=key,
+            existing_task_id=holder.owner,
+            duplicate_id=group_id,
+            args=None,
+            kwargs=None,
+            ttl=holder.ttl,
         )
         if mode is OnDuplicate.RAISE:
             raise DuplicateTaskError(
                 task_name=BATCH_TASK_NAME, key=key, existing_task_id=holder.owner, ttl=holder.ttl
             )
-        existing = _restore(app, holder.owner)
-        existing.deduplicated = True
-        existing.deduplication_key = key
-        return existing
+        return _mark(_restore(app, holder.owner), deduplicated=True, key=key)
     if store is not None:
-        lock_acquired.send(sender=None, key=key, task_id=frozen.id, ttl=ttl, policy="expiry")
+        lock_acquired.send(sender=None, key=key, task_id=group_id, ttl=ttl, policy="expiry")
     try:
-        result: GroupResult = batch.apply_async()
+        result = cast(GroupResult, batch.apply_async())
     except BaseException:
         if store is not None:
-            store.release(key, frozen.id)
+            store.release(key, group_id)
         raise
     _save(result)
-    result.deduplicated = False
-    result.deduplication_key = key
+    return _mark(result, deduplicated=False, key=key)
+
+
+def _mark(result: GroupResult, *, deduplicated: bool, key: str) -> GroupResult:
+    # GroupResult has no slots: tag it like DedupTask tags AsyncResult.
+    setattr(result, "deduplicated", deduplicated)  # noqa: B010
+    setattr(result, "deduplication_key", key)  # noqa: B010
     return result
 
 
 def _save(result: GroupResult) -> None:
-    try:
+    with contextlib.suppress(NotImplementedError):  # no group storage (rpc://)
         result.save()
-    except NotImplementedError:  # a backend without group storage (rpc://)
-        pass
 
 
 def _restore(app: Any, group_id: str) -> GroupResult:
@@ -107,4 +114,6 @@ def _restore(app: Any, group_id: str) -> GroupResult:
         restored = app.GroupResult.restore(group_id, app=app)
     except NotImplementedError:
         restored = None
-    return restored if restored is not None else app.GroupResult(group_id, [])
+    if restored is None:
+        restored = app.GroupResult(group_id, [])
+    return cast(GroupResult, restored)

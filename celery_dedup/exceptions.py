@@ -92,7 +92,9 @@ class DuplicateTaskError(DedupError):
         self.ttl = ttl
 
     def __repr__(self) -> str:
-        return f"DuplicateTaskError(task_name={self.task_name!r}, key={self.key!r}, ttl={self.ttl!r})"
+        return (
+            f"DuplicateTaskError(task_name={self.task_name!r}, key={self.key!r}, ttl={self.ttl!r})"
+        )
 
 
 class DeduplicationUnavailable(DedupError, RuntimeError):

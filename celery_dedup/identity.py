@@ -186,9 +186,7 @@ class ArgumentBinder:
             names = (unique_on,) if isinstance(unique_on, str) else tuple(unique_on)
             unknown = [n for n in names if n not in self.signature.parameters]
             if unknown:
-                raise InvalidOptionError(
-                    "unique_on", unique_on, list(self.signature.parameters)
-                )
+                raise InvalidOptionError("unique_on", unique_on, list(self.signature.parameters))
             self.unique_on = names
 
     def bind(self, args: Iterable[Any] | None, kwargs: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery.result import AsyncResult
 
@@ -11,7 +11,13 @@ from .stores.base import Lock
 __all__ = ["DeduplicatedResult", "mark_result"]
 
 
-class DeduplicatedResult(AsyncResult):  # type: ignore[misc]
+if TYPE_CHECKING:
+    _AsyncResult = AsyncResult[Any]
+else:
+    _AsyncResult = AsyncResult
+
+
+class DeduplicatedResult(_AsyncResult):
     """The holder's ``AsyncResult``, returned when a call was a duplicate.
 
     ``id`` is the task id of the call that holds the lock, so ``.get()``,
@@ -23,7 +29,7 @@ class DeduplicatedResult(AsyncResult):  # type: ignore[misc]
 
     def __init__(
         self,
-        id: str,  # noqa: A002 - AsyncResult's own argument name
+        id: str,
         *,
         deduplication_key: str,
         lock: Lock | None = None,

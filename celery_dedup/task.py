@@ -6,7 +6,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from celery import Task
 from celery.utils import uuid
@@ -98,7 +98,13 @@ class TaskConfig:
         )
 
 
-class DedupTask(Task):  # type: ignore[misc]
+if TYPE_CHECKING:
+    _Task = Task[..., Any]
+else:
+    _Task = Task
+
+
+class DedupTask(_Task):
     """A task whose enqueueing is idempotent.
 
     Every call through ``apply_async`` (``delay``, signatures, chains, beat,
@@ -218,7 +224,14 @@ class DedupTask(Task):  # type: ignore[misc]
         def publish(task_id: str, header: LockHeader) -> Any:
             options["headers"] = {**(options.get("headers") or {}), HEADER: header.encode()}
             return super(DedupTask, self).apply_async(
-                args, kwargs, task_id, producer, link, link_error, shadow, **options
+                cast(Any, args),
+                cast(Any, kwargs),
+                task_id,
+                producer,
+                link,
+                link_error,
+                shadow,
+                **options,
             )
 
         if self._is_holder_republish(task_id, options):
@@ -262,7 +275,9 @@ class DedupTask(Task):  # type: ignore[misc]
             return self._duplicate(call, key, holder, task_id, args, kwargs, options)
 
         config.runtime.metrics.incr(self.name, "acquired")
-        lock_acquired.send(sender=self, key=key, task_id=task_id, ttl=ttl, policy=header.until.value)
+        lock_acquired.send(
+            sender=self, key=key, task_id=task_id, ttl=ttl, policy=header.until.value
+        )
         result = self._publish_locked(store, key, task_id, header, publish)
         if header.replace and previous is not None and previous.owner != task_id:
             self._revoke_replaced(key, task_id, previous)
@@ -356,8 +371,9 @@ class DedupTask(Task):  # type: ignore[misc]
             self.app.control.revoke(previous.owner)
         except Exception:
             # The replaced task also checks ownership when it starts.
-            logger.warning("celery-dedup: could not broadcast revoke of a replaced task",
-                           exc_info=True)
+            logger.warning(
+                "celery-dedup: could not broadcast revoke of a replaced task", exc_info=True
+            )
 
     # -- worker-side hooks -------------------------------------------------
 
@@ -371,9 +387,7 @@ class DedupTask(Task):  # type: ignore[misc]
         worker.on_outcome(self, task_id, succeeded=True)
         super().on_success(retval, task_id, args, kwargs)
 
-    def on_failure(
-        self, exc: BaseException, task_id: str, args: Any, kwargs: Any, einfo: Any
-    ) -> None:
+    def on_failure(self, exc: Exception, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
         """Release ``finish`` locks after a final failure (retries keep them)."""
         worker.on_outcome(self, task_id, succeeded=False)
         super().on_failure(exc, task_id, args, kwargs, einfo)

@@ -58,8 +58,9 @@ def release(task: DedupTask, store: LockStore, key: str, task_id: str, reason: s
     if released:
         task.dedup_config().runtime.metrics.incr(task.name, "released")
         lock_released.send(sender=task, key=key, task_id=task_id, reason=reason)
-        logger.debug("celery-dedup: released %s of %s[%s] (%s)", short(key), task.name,
-                     task_id, reason)
+        logger.debug(
+            "celery-dedup: released %s of %s[%s] (%s)", short(key), task.name, task_id, reason
+        )
     return released
 
 
@@ -77,29 +78,37 @@ def republish_as_holder(
     """
     current = task.app.current_worker_task
     header = read_header(options.get("headers")) or (
-        current.dedup_header(task_id) if hasattr(current, "dedup_header") else None
+        current.dedup_header(task_id)
+        if current is not None and hasattr(current, "dedup_header")
+        else None
     )
     if header is None or header.key is None:
         return publish(task_id, header or LockHeader())
     runtime = task.dedup_config().runtime
     store = runtime.store
     if store is not None:
-        ttl = lock_ttl(header.unique_for, countdown=options.get("countdown"),
-                       eta=options.get("eta"))
+        ttl = lock_ttl(
+            header.unique_for, countdown=options.get("countdown"), eta=options.get("eta")
+        )
         try:
             if not store.extend(header.key, task_id, ttl):
                 holder = store.acquire(
-                    header.key, task_id, ttl,
+                    header.key,
+                    task_id,
+                    ttl,
                     {"task_name": task.name, "policy": header.until.value},
                 )
                 if holder is not None and holder.owner != task_id:
                     logger.warning(
                         "celery-dedup: %s[%s] retries after its lock %s passed to another task",
-                        task.name, task_id, short(header.key),
+                        task.name,
+                        task_id,
+                        short(header.key),
                     )
         except StoreUnavailable as exc:
-            logger.warning("celery-dedup: could not extend lock %s on retry: %s",
-                           short(header.key), exc)
+            logger.warning(
+                "celery-dedup: could not extend lock %s on retry: %s", short(header.key), exc
+            )
     return publish(task_id, header)
 
 
@@ -107,7 +116,10 @@ def _skip(task: DedupTask, task_id: str, key: str, holder_id: str | None, reason
     """End the task in state IGNORED without running its body."""
     logger.info(
         "celery-dedup: skipping %s[%s]: lock %s is held by another task (%s)",
-        task.name, task_id, short(key), reason,
+        task.name,
+        task_id,
+        short(key),
+        reason,
     )
     task.dedup_config().runtime.metrics.incr(task.name, "skipped")
     task_skipped.send(
@@ -173,8 +185,9 @@ def _guard_unannounced(
         _skip(task, task_id, key, holder.owner, "unannounced duplicate")
     if holder is None:
         config.runtime.metrics.incr(task.name, "acquired")
-        lock_acquired.send(sender=task, key=key, task_id=task_id, ttl=ttl,
-                           policy=call.unique_until.value)
+        lock_acquired.send(
+            sender=task, key=key, task_id=task_id, ttl=ttl, policy=call.unique_until.value
+        )
     # Remember it for the release hooks of this same request.
     headers = task.request.headers
     if isinstance(headers, dict):

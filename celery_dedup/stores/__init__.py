@@ -109,9 +109,7 @@ def _factory_for(alias: str, url: str) -> StoreFactory:
         factory: StoreFactory = symbol_by_name(path)
     except ImportError as exc:
         raise ImproperlyConfigured(
-            E_MISSING_DRIVER.format(
-                url=maybe_sanitize_url(url), error=exc, extra=extra or alias
-            )
+            E_MISSING_DRIVER.format(url=maybe_sanitize_url(url), error=exc, extra=extra or alias)
         ) from exc
     return factory
 

@@ -132,6 +132,7 @@ class RedisStore:
         if app is None:
             return cls(redis.Redis.from_url(url, **dict(options or {})), label=label)
         keyprefix = ""
+        backend: Any
         transport_options = app.conf.get("result_backend_transport_options") or {}
         if url == app.conf.get("result_backend"):
             backend = app.backend

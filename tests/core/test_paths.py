@@ -20,7 +20,9 @@ def test_signature_set_options_apply(app_factory: AppFactory, worker_for: Any) -
 
     @app.task(base=DedupTask, shared=False, bind=True)
     def job(self: Any, x: int) -> Any:
-        return sorted(k for k in ("deduplication_key", "unique_for") if k in self.request.properties)
+        return sorted(
+            k for k in ("deduplication_key", "unique_for") if k in self.request.properties
+        )
 
     first = job.s(1).set(deduplication_key="k1", unique_for=30).apply_async()
     second = job.s(2).set(deduplication_key="k1").delay()
@@ -51,8 +53,9 @@ def test_chain_first_step_and_worker_side_steps(app_factory: AppFactory, worker_
     """A chain's first step is checked in the producer; a later duplicate step never fails it."""
     app = app_factory("chain")
 
-    @app.task(base=DedupTask, shared=False, unique_for=30, on_duplicate="raise",
-              unique_until="expiry")
+    @app.task(
+        base=DedupTask, shared=False, unique_for=30, on_duplicate="raise", unique_until="expiry"
+    )
     def step(x: int) -> int:
         return x + 1
 
@@ -93,9 +96,7 @@ def test_link_callback_is_deduplicated_worker_side(
     assert runs == [7]
 
 
-def test_group_and_chord_members_never_suppressed(
-    app_factory: AppFactory, worker_for: Any
-) -> None:
+def test_group_and_chord_members_never_suppressed(app_factory: AppFactory, worker_for: Any) -> None:
     """Duplicate members of a group and of a chord header all run; the chord completes."""
     app = app_factory("canvas")
 
@@ -150,7 +151,7 @@ def test_deterministic_id(app_factory: AppFactory, worker_for: Any) -> None:
 
 
 def test_send_task_is_guarded_in_the_worker(app_factory: AppFactory, worker_for: Any) -> None:
-    """A send_task message (no header) runs once: the worker skips it while another holds the key."""
+    """A send_task message (no header) is skipped by the worker while another task holds the key."""
     app = app_factory("sendtask")
     release_holder = threading.Event()
     runs: list[int] = []
@@ -178,8 +179,9 @@ def test_replace_debounces(app_factory: AppFactory, worker_for: Any) -> None:
     app = app_factory("replace")
     runs: list[str] = []
 
-    @app.task(base=DedupTask, shared=False, unique_for=30, on_duplicate="replace",
-              unique_on=("doc",))
+    @app.task(
+        base=DedupTask, shared=False, unique_for=30, on_duplicate="replace", unique_on=("doc",)
+    )
     def render(doc: int, version: str) -> str:
         runs.append(version)
         return version

@@ -35,8 +35,9 @@ def test_start_releases_before_body_runs(app_factory: AppFactory, worker_for: An
     assert first.get(timeout=10) == 1 and second.get(timeout=10) == 1
 
 
-@pytest.mark.parametrize(("policy", "freed_after_success"), [("success", True), ("finish", True),
-                                                             ("expiry", False)])
+@pytest.mark.parametrize(
+    ("policy", "freed_after_success"), [("success", True), ("finish", True), ("expiry", False)]
+)
 def test_success_outcome(
     app_factory: AppFactory, worker_for: Any, policy: str, freed_after_success: bool
 ) -> None:
@@ -60,8 +61,9 @@ def test_success_outcome(
         assert job.delay(5).id == result.id
 
 
-@pytest.mark.parametrize(("policy", "freed_after_failure"), [("success", False), ("finish", True),
-                                                             ("expiry", False)])
+@pytest.mark.parametrize(
+    ("policy", "freed_after_failure"), [("success", False), ("finish", True), ("expiry", False)]
+)
 def test_failure_outcome(
     app_factory: AppFactory, worker_for: Any, policy: str, freed_after_failure: bool
 ) -> None:

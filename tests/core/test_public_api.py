@@ -24,11 +24,26 @@ def test_all_equals_public_names() -> None:
 def test_design_names_are_exported() -> None:
     """Every name DESIGN promises is importable from celery_dedup."""
     for name in (
-        "DedupTask", "DeduplicatedResult", "enqueue_many", "time_bucket", "dedup_key_for",
-        "release", "revoke", "inspect_lock", "UniqueUntil", "Identity", "OnDuplicate",
-        "DuplicateTaskError", "DedupKeyError", "MissingDeduplicationKey",
-        "DeduplicationUnavailable", "task_deduplicated", "lock_acquired", "lock_released",
-        "lock_replaced", "dedup_fallback",
+        "DedupTask",
+        "DeduplicatedResult",
+        "enqueue_many",
+        "time_bucket",
+        "dedup_key_for",
+        "release",
+        "revoke",
+        "inspect_lock",
+        "UniqueUntil",
+        "Identity",
+        "OnDuplicate",
+        "DuplicateTaskError",
+        "DedupKeyError",
+        "MissingDeduplicationKey",
+        "DeduplicationUnavailable",
+        "task_deduplicated",
+        "lock_acquired",
+        "lock_released",
+        "lock_replaced",
+        "dedup_fallback",
     ):
         assert name in celery_dedup.__all__, name
 

@@ -1,0 +1,1 @@
+"""Celery apps the tests import in-process or run through the ``celery`` command."""

@@ -1,0 +1,32 @@
+"""A Celery app for prefork worker subprocesses (configured by environment variables)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from celery import Celery
+
+from celery_dedup import DedupTask
+
+app = Celery("prefork_app")
+app.conf.update(
+    broker_url=os.environ.get("TEST_BROKER_URL", "memory://"),
+    result_backend=os.environ.get("TEST_BACKEND_URL"),
+    task_default_queue=os.environ.get("TEST_QUEUE", "prefork"),
+    broker_connection_retry_on_startup=True,
+    worker_hijack_root_logger=False,
+)
+
+
+@app.task(base=DedupTask, unique_for=60, unique_until="finish", time_limit=1)
+def overrun(x: int) -> int:
+    """Runs past its hard time limit: the pool child is killed."""
+    time.sleep(10)
+    return x
+
+
+@app.task(base=DedupTask, unique_for=60)
+def quick(x: int) -> int:
+    """Succeeds in a pool child; releases its lock there."""
+    return x * 2

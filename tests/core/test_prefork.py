@@ -1,0 +1,94 @@
+"""A real prefork worker subprocess: pool-child releases and hard time limits."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from celery import states
+
+from celery_dedup import inspect_lock
+from tests.apps import prefork_app
+from tests.fixtures._servers import stop
+from tests.fixtures.redis import RedisServer
+
+from .conftest import wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def prefork_worker(
+    redis_server: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[None]:
+    """``celery worker -P prefork -c 1`` on the test Redis, as a subprocess."""
+    for db in (8, 9):
+        redis_server.client(db).flushdb()
+    env = {
+        **os.environ,
+        "TEST_BROKER_URL": redis_server.url(8),
+        "TEST_BACKEND_URL": redis_server.url(9),
+        "PYTHONPATH": str(ROOT),
+    }
+    for name in ("TEST_BROKER_URL", "TEST_BACKEND_URL"):
+        monkeypatch.setenv(name, env[name])
+    prefork_app.app.conf.update(
+        broker_url=env["TEST_BROKER_URL"], result_backend=env["TEST_BACKEND_URL"]
+    )
+    log = (tmp_path / "worker.log").open("wb")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "tests.apps.prefork_app",
+            "worker",
+            "-P",
+            "prefork",
+            "-c",
+            "1",
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+            "-l",
+            "INFO",
+            "-Q",
+            "prefork",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        yield
+    finally:
+        stop(proc)
+        log.close()
+
+
+def test_pool_child_releases_on_success(prefork_worker: None) -> None:
+    """A forked pool child releases the lock over its own connection after success."""
+    app = prefork_app.app
+    result = prefork_app.quick.delay(21)
+    assert prefork_app.quick.delay(21).deduplicated is True
+    assert result.get(timeout=30) == 42
+    wait_until(lambda: inspect_lock(result.deduplication_key, app=app) is None)
+
+
+def test_hard_time_limit_releases_finish_lock(prefork_worker: None) -> None:
+    """A hard time limit kills the child; the main process releases the 'finish' lock."""
+    app = prefork_app.app
+    result = prefork_app.overrun.delay(1)
+    assert prefork_app.overrun.delay(1).deduplicated is True
+    wait_until(lambda: app.AsyncResult(result.id).state == states.FAILURE, timeout=30)
+    wait_until(lambda: inspect_lock(result.deduplication_key, app=app) is None, timeout=10)
+    fresh = prefork_app.overrun.delay(1)
+    assert fresh.deduplicated is False
+    prefork_app.app.control.revoke(fresh.id)

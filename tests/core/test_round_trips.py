@@ -1,0 +1,89 @@
+"""One Redis round trip per acquire, per duplicate and per release."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import redis
+from celery import Celery
+
+from celery_dedup import DedupTask
+from celery_dedup.runtime import runtime_for
+from celery_dedup.stores.redis import RedisStore
+from tests.fixtures.redis import RedisServer
+
+
+class CountingConnection(redis.Connection):
+    """A connection that counts what it sends: one send is one round trip."""
+
+    sent = 0
+
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        type(self).sent += 1
+        super().send_packed_command(command, check_health)
+
+
+def counting_client(server: RedisServer, db: int) -> redis.Redis:
+    pool = redis.ConnectionPool(
+        connection_class=CountingConnection, host="127.0.0.1", port=server.port, db=db
+    )
+    return redis.Redis(connection_pool=pool)
+
+
+def measure(client: redis.Redis, action: Callable[[], Any]) -> int:
+    """Round trips ``action`` makes, cross-checked against the server's EVALSHA count."""
+    before_sent = CountingConnection.sent
+    before_evalsha = evalsha_calls(client)
+    action()
+    sent = CountingConnection.sent - before_sent - 1  # minus the INFO of evalsha_calls
+    assert evalsha_calls(client) - before_evalsha == sent
+    return sent
+
+
+def evalsha_calls(client: redis.Redis) -> int:
+    stats: dict[str, Any] = client.info("commandstats")
+    return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+def test_store_operations_are_single_round_trips(redis_server: RedisServer) -> None:
+    """acquire, conflict, extend, release and get each send exactly one command."""
+    client = counting_client(redis_server, 5)
+    client.flushdb()
+    store = RedisStore(client)
+    meta = {"task_name": "t", "policy": "success"}
+    store.acquire("warm", "o", 5, meta)
+    store.release("warm", "o")
+    store.extend("warm", "o", 5)
+    store.get("warm")
+    store.take_over("warm", "o", 5, meta)
+    assert measure(client, lambda: store.acquire("k", "a", 5, meta)) == 1
+    assert measure(client, lambda: store.acquire("k", "b", 5, meta)) == 1
+    assert measure(client, lambda: store.extend("k", "a", 9)) == 1
+    assert measure(client, lambda: store.get("k")) == 1
+    assert measure(client, lambda: store.take_over("k", "c", 5, meta)) == 1
+    assert measure(client, lambda: store.release("k", "c")) == 1
+    client.close()
+
+
+def test_apply_async_costs_one_round_trip(redis_server: RedisServer) -> None:
+    """Through DedupTask: a publish costs 1 round trip, a duplicate 1, an eager run + release 2."""
+    client = counting_client(redis_server, 6)
+    client.flushdb()
+    app = Celery("rt", broker="memory://", backend="cache+memory://", set_as_current=False)
+    app.conf.update(dedup_metrics_flush_interval=3600)
+    runtime_for(app).use_store(RedisStore(client))
+
+    @app.task(base=DedupTask, shared=False, unique_for=30)
+    def job(x: int) -> int:
+        return x
+
+    job.delay(0)  # loads the scripts
+    job.delay(0)
+    assert measure(client, lambda: job.delay(1)) == 1
+    assert measure(client, lambda: job.delay(1)) == 1
+    app.conf.task_always_eager = True
+    job.delay(2)
+    assert measure(client, lambda: job.delay(3)) == 2
+    client.close()
+    app.close()
