@@ -105,7 +105,8 @@ def _mark(result: GroupResult, *, deduplicated: bool, key: str) -> GroupResult:
 
 
 def _save(result: GroupResult) -> None:
-    with contextlib.suppress(NotImplementedError):  # no group storage (rpc://)
+    # No group storage (rpc://) or no result backend at all.
+    with contextlib.suppress(NotImplementedError, AttributeError):
         result.save()
 
 

@@ -85,6 +85,8 @@ class TaskConfig:
     deterministic_id: bool
     key_callable: Callable[..., Any] | None
     binder: ArgumentBinder
+    #: the queue a call goes to when it names none (task ``queue`` or the app default)
+    default_queue: str
 
     def resolve(self, given: Mapping[str, Any]) -> ResolvedOptions:
         """Apply one call's options (already validated) over the task's."""
@@ -171,6 +173,9 @@ class DedupTask(_Task):
             deterministic_id=bool(self.deterministic_id),
             key_callable=self.deduplication_key,
             binder=ArgumentBinder(self.run, self.name, _validate_unique_on(self.unique_on, "")),
+            default_queue=str(
+                getattr(self, "queue", None) or self.app.conf.task_default_queue or "celery"
+            ),
         )
 
     # -- keys --------------------------------------------------------------
@@ -196,7 +201,7 @@ class DedupTask(_Task):
             raise MissingDeduplicationKey(task_name=self.name)
         if call.identity is Identity.ALWAYS_UNIQUE:
             return None
-        queue_name = getattr(queue, "name", queue) or getattr(self, "queue", None)
+        queue_name = getattr(queue, "name", queue) or config.default_queue
         return lock_key(prefix, self.name, config.binder.identity(queue_name, args, kwargs))
 
     # -- enqueue -----------------------------------------------------------
@@ -269,8 +274,9 @@ class DedupTask(_Task):
             return mark_result(publish(task_id, NO_LOCK), key)
 
         if holder is not None:
-            if _is_canvas_member(options):
-                # Celery froze this member's id and a chord counts on it.
+            if _is_canvas_member(options) or self._carries_chain_worker_side(options):
+                # Celery froze this member's id and a chord counts on it; or the
+                # message carries the rest of a chain, which suppressing would drop.
                 return mark_result(publish(task_id, NO_LOCK), key)
             return self._duplicate(call, key, holder, task_id, args, kwargs, options)
 
@@ -300,6 +306,13 @@ class DedupTask(_Task):
         except BaseException:
             worker.release(self, store, key, task_id, "publish_failed")
             raise
+
+    def _carries_chain_worker_side(self, options: Mapping[str, Any]) -> bool:
+        return bool(options.get("chain")) and self.app.current_worker_task is not None
+
+    def delay(self, *args: Any, **kwargs: Any) -> Any:
+        """Star-argument shortcut for ``apply_async``; may return a ``DeduplicatedResult``."""
+        return self.apply_async(args, kwargs)
 
     def _is_holder_republish(self, task_id: str | None, options: Mapping[str, Any]) -> bool:
         """A ``retry()`` or ``replace()`` from inside the holder's own execution."""

@@ -166,8 +166,9 @@ def _guard_unannounced(
     """
     config = task.dedup_config()
     call = config.resolve({})
+    queue = (task.request.delivery_info or {}).get("routing_key")
     try:
-        key = task.dedup_key(args, kwargs, call)
+        key = task.dedup_key(args, kwargs, call, queue)
     except (TypeError, ValueError) as exc:
         logger.warning("celery-dedup: %s[%s] runs unguarded: %s", task.name, task_id, exc)
         return None

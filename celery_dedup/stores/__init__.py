@@ -138,8 +138,9 @@ def derive_store_url(app: Celery) -> str | None:
         return str(configured)
     backend = app.conf.get("result_backend")
     if isinstance(backend, str) and backend:
-        alias, _ = split_url(backend)
-        if alias in ALIASES and alias != "memory":
+        alias, inner = split_url(backend)
+        # cache+memory:// and memory:// keep results in one process only.
+        if alias in ALIASES and "memory" not in (alias, inner.partition("://")[0]):
             return backend
     broker = app.conf.get("broker_url")
     if isinstance(broker, str) and broker:

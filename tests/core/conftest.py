@@ -10,6 +10,7 @@ import pytest
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
+from celery_dedup.runtime import runtime_for
 from tests.fixtures.redis import RedisServer
 
 AppFactory = Callable[..., Celery]
@@ -44,6 +45,7 @@ def app_factory(redis_server: RedisServer) -> Iterator[AppFactory]:
 
     yield factory
     for app in apps:
+        runtime_for(app).metrics.flush()
         app.close()
 
 

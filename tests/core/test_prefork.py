@@ -26,12 +26,12 @@ def prefork_worker(
     redis_server: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[None]:
     """``celery worker -P prefork -c 1`` on the test Redis, as a subprocess."""
-    for db in (8, 9):
+    for db in (12, 13):
         redis_server.client(db).flushdb()
     env = {
         **os.environ,
-        "TEST_BROKER_URL": redis_server.url(8),
-        "TEST_BACKEND_URL": redis_server.url(9),
+        "TEST_BROKER_URL": redis_server.url(12),
+        "TEST_BACKEND_URL": redis_server.url(13),
         "PYTHONPATH": str(ROOT),
     }
     for name in ("TEST_BROKER_URL", "TEST_BACKEND_URL"):

@@ -32,13 +32,13 @@ def enqueue_all(broker: str, store: str, queue: Any) -> None:
 
 def test_exactly_one_winner_per_key(redis_server: RedisServer) -> None:
     """Across 8 processes each key is published once and the broker holds 2 000 messages."""
-    broker_db, store_db = redis_server.client(10), redis_server.client(11)
+    broker_db, store_db = redis_server.client(14), redis_server.client(15)
     broker_db.flushdb()
     store_db.flushdb()
     ctx = multiprocessing.get_context("fork")
     results = ctx.Queue()
     procs = [
-        ctx.Process(target=enqueue_all, args=(redis_server.url(10), redis_server.url(11), results))
+        ctx.Process(target=enqueue_all, args=(redis_server.url(14), redis_server.url(15), results))
         for _ in range(PROCESSES)
     ]
     for proc in procs:
