@@ -86,6 +86,7 @@ def release(
         key, owner = found, owner or target.id
     released = store.release(key, owner)
     if released:
+        _count_release(app, key)
         lock_released.send(sender=None, key=key, task_id=owner, reason="manual")
     return released
 
@@ -115,6 +116,7 @@ def revoke(
         return False
     released = store.release(key, task_id)
     if released:
+        _count_release(app, key)
         lock_released.send(sender=None, key=key, task_id=task_id, reason="revoked")
     return released
 
@@ -123,3 +125,10 @@ def _key_of_owner(store: LockStore, app: Celery, task_id: str) -> str | None:
     """Find the key a task id holds by scanning (slow path: prefer passing the key)."""
     prefix = runtime_for(app).settings.key_prefix + ":"
     return next((lock.key for lock in store.scan(prefix) if lock.owner == task_id), None)
+
+
+def _count_release(app: Celery, key: str) -> None:
+    """Count a manual release under the task name the key carries."""
+    runtime = runtime_for(app)
+    task_name = key.rsplit(":", 1)[0].removeprefix(runtime.settings.key_prefix + ":")
+    runtime.metrics.incr(task_name, "released")
