@@ -28,7 +28,7 @@ from kombu.utils.json import dumps
 
 from .api import release as release_lock
 from .exceptions import StoreUnavailable
-from .metrics import EVENTS
+from .metrics import EVENTS, live_locks
 from .runtime import Runtime, runtime_for
 from .stores.base import Lock, LockStore
 from .worker import short
@@ -271,9 +271,7 @@ def stats(ctx: click.Context, /, as_json: bool, **kwargs: Any) -> None:
         raise click.ClickException(f"{exc}: no counters to show") from exc
     except StoreUnavailable as exc:
         raise click.ClickException(str(exc)) from exc
-    live: dict[str, int] = {}
-    for lock in c.scan():
-        live[lock.task_name] = live.get(lock.task_name, 0) + 1
+    live = live_locks(c.scan())
     tasks = sorted({name for name, _ in counts} | set(live))
     table = {
         name: {**{event: counts.get((name, event), 0) for event in EVENTS},

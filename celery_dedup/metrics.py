@@ -25,13 +25,13 @@ import threading
 import time
 import weakref
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Final
 
 from celery.signals import worker_process_shutdown, worker_shutdown
 
 from .exceptions import InvalidOptionError
-from .stores.base import CounterSupport
+from .stores.base import CounterSupport, Lock
 
 __all__ = [
     "DEFAULT_FLUSH_INTERVAL",
@@ -40,6 +40,7 @@ __all__ = [
     "Metrics",
     "flush_all",
     "flush_interval",
+    "live_locks",
 ]
 
 logger = logging.getLogger("celery_dedup")
@@ -165,6 +166,11 @@ class Metrics:
         self._lock = threading.Lock()
         self._pending = Counter()
         self._due = self._clock() + self.interval
+
+
+def live_locks(locks: Iterable[Lock]) -> dict[str, int]:
+    """The number of ``locks`` per task name."""
+    return dict(Counter(lock.task_name for lock in locks))
 
 
 def flush_all() -> None:

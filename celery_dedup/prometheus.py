@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from prometheus_client.core import REGISTRY, CounterMetricFamily, GaugeMetricFamily
 
-from .metrics import EVENTS
+from .metrics import EVENTS, live_locks
 from .runtime import runtime_for
 
 if TYPE_CHECKING:
@@ -98,8 +98,7 @@ class DedupCollector:
         live: dict[str, int] = {}
         if store is not None:
             try:
-                for lock in store.scan(runtime.settings.key_prefix + ":"):
-                    live[lock.task_name] = live.get(lock.task_name, 0) + 1
+                live = live_locks(store.scan(runtime.settings.key_prefix + ":"))
             except Exception as exc:
                 logger.warning("celery-dedup: cannot scan locks for Prometheus: %s", exc)
         gauge = GaugeMetricFamily(

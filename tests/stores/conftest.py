@@ -13,8 +13,8 @@ import pytest
 
 from celery_dedup.stores.memory import MemoryStore
 from celery_dedup.stores.redis import RedisStore
-from tests.fixtures.redis import RedisServer
 from tests.fixtures._store_case import StoreCase
+from tests.fixtures.redis import RedisServer
 
 STORES = [
     pytest.param("store_memory", marks=pytest.mark.memory, id="memory"),
@@ -39,7 +39,9 @@ def store_memory() -> Iterator[StoreCase]:
     """A fresh memory store."""
     store = MemoryStore.from_url("memory://conformance")
     store.clear()
-    yield StoreCase(url="memory://conformance", store=store, flush=store.clear, shared_across_processes=False)
+    yield StoreCase(
+        url="memory://conformance", store=store, flush=store.clear, shared_across_processes=False
+    )
     store.clear()
 
 

@@ -1,0 +1,1 @@
+"""Benchmarks: run ``python benchmarks/run.py``."""

@@ -1,0 +1,295 @@
+"""The lock store contract: one set of tests every store must pass.
+
+``StoreContract`` is applied to a ``store_case`` fixture returning a
+``StoreCase``; ``tests/stores/test_conformance.py`` runs it against every
+store of the table, and the Django suite subclasses it with its own fixture.
+Waits are short: TTLs of about a second, polled.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from celery_dedup.stores import store_from_url
+from celery_dedup.stores.base import CounterSupport, Lock, LockStore
+from tests.fixtures._store_case import StoreCase
+
+__all__ = ["StoreContract"]
+
+META = {"task_name": "tests.add", "policy": "success"}
+OTHER_META = {"task_name": "tests.other", "policy": "finish"}
+
+RACE_WORKERS = 8
+RACE_KEYS = [f"race:{i:03d}" for i in range(200)]
+
+
+def wait_until_gone(store: LockStore, key: str, timeout: float = 4.0) -> float:
+    """Poll until ``key`` has no live lock; return the seconds waited."""
+    start = time.monotonic()
+    while store.get(key) is not None:
+        assert time.monotonic() - start < timeout, f"{key} did not expire within {timeout}s"
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def race(store: LockStore, owner: str, start: Callable[[], Any]) -> dict[str, str]:
+    """Acquire every race key as ``owner``; return key → the holder each call saw."""
+    offset = int(owner.rsplit("-", 1)[1]) * (len(RACE_KEYS) // RACE_WORKERS)
+    keys = RACE_KEYS[offset:] + RACE_KEYS[:offset]
+    start()
+    seen: dict[str, str] = {}
+    for key in keys:
+        holder = store.acquire(key, owner, 60, META)
+        seen[key] = owner if holder is None else holder.owner
+    return seen
+
+
+def _race_process(url: str, owner: str, barrier: Any, results: Any) -> None:
+    """A racing process: builds its own store from the URL (after fork or spawn)."""
+    try:
+        store = store_from_url(url)
+        results.put((owner, race(store, owner, barrier.wait)))
+    except BaseException as exc:
+        results.put((owner, repr(exc)))
+        raise
+
+
+class StoreContract:
+    """Behaviour every ``LockStore`` promises (DESIGN §3 and §6)."""
+
+    def test_acquire_free_key(self, store_case: StoreCase) -> None:
+        """Acquiring a free key returns None and the owner then holds it."""
+        store = store_case.store
+        assert store.acquire("k:free", "owner-a", 30, META) is None
+        lock = store.get("k:free")
+        assert lock is not None
+        assert (lock.key, lock.owner, lock.task_name, lock.policy) == (
+            "k:free", "owner-a", "tests.add", "success",
+        )
+
+    def test_conflict_returns_holder(self, store_case: StoreCase) -> None:
+        """A second owner gets the holder back: owner, task name, policy and a TTL within bounds."""
+        store = store_case.store
+        before = time.time()
+        assert store.acquire("k:held", "owner-a", 30, META) is None
+        holder = store.acquire("k:held", "owner-b", 10, OTHER_META)
+        after = time.time()
+        assert isinstance(holder, Lock)
+        assert (holder.key, holder.owner, holder.task_name, holder.policy) == (
+            "k:held", "owner-a", "tests.add", "success",
+        )
+        assert 25 < holder.ttl <= 30.001
+        assert before - 1 <= holder.acquired_at <= after + 1
+        assert holder.expires_at - holder.acquired_at == pytest.approx(30, abs=1.5)
+        lock = store.get("k:held")
+        assert lock is not None and lock.owner == "owner-a"
+
+    def test_same_owner_acquire_of_held_key_returns_holder(self, store_case: StoreCase) -> None:
+        """An owner that already holds the key gets itself back as holder, not a new lock."""
+        store = store_case.store
+        assert store.acquire("k:mine", "owner-a", 30, META) is None
+        holder = store.acquire("k:mine", "owner-a", 30, META)
+        assert holder is not None and holder.owner == "owner-a"
+
+    def test_keys_are_independent(self, store_case: StoreCase) -> None:
+        """Locks on different keys do not interfere, and keys compare case-sensitively."""
+        store = store_case.store
+        assert store.acquire("k:one", "owner-a", 30, META) is None
+        assert store.acquire("k:two", "owner-b", 30, META) is None
+        assert store.acquire("K:ONE", "owner-c", 30, META) is None
+        assert store.release("k:one", "owner-a") is True
+        two = store.get("k:two")
+        assert two is not None and two.owner == "owner-b"
+        upper = store.get("K:ONE")
+        assert upper is not None and upper.owner == "owner-c"
+
+    def test_get_missing_key(self, store_case: StoreCase) -> None:
+        """get() of a key nobody holds is None."""
+        assert store_case.store.get("k:nobody") is None
+
+    def test_release_is_owner_checked_and_idempotent(self, store_case: StoreCase) -> None:
+        """A stale owner cannot release; the holder can, once; then the key is free."""
+        store = store_case.store
+        assert store.acquire("k:rel", "owner-a", 30, META) is None
+        assert store.release("k:rel", "owner-b") is False
+        lock = store.get("k:rel")
+        assert lock is not None and lock.owner == "owner-a"
+        assert store.release("k:rel", "owner-a") is True
+        assert store.release("k:rel", "owner-a") is False
+        assert store.get("k:rel") is None
+        assert store.acquire("k:rel", "owner-b", 30, META) is None
+
+    def test_extend_keeps_owner_and_resets_ttl(self, store_case: StoreCase) -> None:
+        """extend() by the holder resets the TTL and keeps the owner; a stale owner cannot."""
+        store = store_case.store
+        assert store.acquire("k:ext", "owner-a", 5, META) is None
+        assert store.extend("k:ext", "owner-b", 100) is False
+        lock = store.get("k:ext")
+        assert lock is not None and lock.ttl <= 5.001
+        assert store.extend("k:ext", "owner-a", 100) is True
+        lock = store.get("k:ext")
+        assert lock is not None
+        assert lock.owner == "owner-a" and lock.task_name == "tests.add"
+        assert 95 < lock.ttl <= 100.001
+        assert store.extend("k:ext", "owner-a", 20) is True
+        lock = store.get("k:ext")
+        assert lock is not None and 15 < lock.ttl <= 20.001
+
+    def test_extend_missing_key(self, store_case: StoreCase) -> None:
+        """extend() of a key nobody holds fails and creates nothing."""
+        store = store_case.store
+        assert store.extend("k:ghost", "owner-a", 30) is False
+        assert store.get("k:ghost") is None
+
+    def test_take_over_returns_previous_holder(self, store_case: StoreCase) -> None:
+        """take_over() returns the previous holder; the new owner holds; the old cannot release."""
+        store = store_case.store
+        assert store.acquire("k:take", "owner-a", 30, META) is None
+        previous = store.take_over("k:take", "owner-b", 60, OTHER_META)
+        assert previous is not None
+        assert (previous.owner, previous.task_name, previous.policy) == (
+            "owner-a", "tests.add", "success",
+        )
+        assert 25 < previous.ttl <= 30.001
+        lock = store.get("k:take")
+        assert lock is not None
+        assert (lock.owner, lock.task_name, lock.policy) == ("owner-b", "tests.other", "finish")
+        assert 55 < lock.ttl <= 60.001
+        assert store.release("k:take", "owner-a") is False
+        assert store.release("k:take", "owner-b") is True
+
+    def test_take_over_free_key(self, store_case: StoreCase) -> None:
+        """take_over() of a free key returns None and the owner holds it."""
+        store = store_case.store
+        assert store.take_over("k:tfree", "owner-a", 30, META) is None
+        lock = store.get("k:tfree")
+        assert lock is not None and lock.owner == "owner-a"
+        holder = store.acquire("k:tfree", "owner-b", 30, META)
+        assert holder is not None and holder.owner == "owner-a"
+
+    def test_scan_lists_only_the_prefix(self, store_case: StoreCase) -> None:
+        """scan(prefix) yields every live lock under the prefix and nothing else."""
+        store = store_case.store
+        for i in range(5):
+            assert store.acquire(f"app:task:{i}", f"owner-{i}", 30, META) is None
+        assert store.acquire("app:other:0", "owner-x", 30, META) is None
+        assert store.acquire("zzz:task:0", "owner-y", 30, META) is None
+        found = {lock.key: lock.owner for lock in store.scan("app:task:")}
+        assert found == {f"app:task:{i}": f"owner-{i}" for i in range(5)}
+        assert {lock.key for lock in store.scan("app:")} == {
+            *(f"app:task:{i}" for i in range(5)), "app:other:0",
+        }
+        assert list(store.scan("nothing:")) == []
+
+    def test_scan_treats_wildcards_literally(self, store_case: StoreCase) -> None:
+        """Pattern characters in a prefix (% _ * ? [ \\ !) match only themselves."""
+        store = store_case.store
+        for key in ("a_b:1", "axb:1", "a%b:1", "a*b:1", "a?b:1", "a[b]:1", "a\\b:1", "a!b:1"):
+            assert store.acquire(key, "owner-a", 30, META) is None
+        for prefix in ("a_b", "a%b", "a*b", "a?b", "a[b]", "a\\b", "a!b"):
+            assert [lock.key for lock in store.scan(prefix)] == [f"{prefix}:1"]
+
+    def test_expired_lock_is_free(self, store_case: StoreCase) -> None:
+        """A lock past its TTL is gone: not listed, extendable or releasable, and free to take."""
+        store = store_case.store
+        assert store.acquire("exp:short", "owner-a", 1, META) is None
+        assert store.acquire("exp:long", "owner-a", 30, META) is None
+        short = store.get("exp:short")
+        assert short is not None and 0 < short.ttl <= 1.001
+        assert {lock.key for lock in store.scan("exp:")} == {"exp:short", "exp:long"}
+        waited = wait_until_gone(store, "exp:short")
+        assert waited > 0.3
+        assert [lock.key for lock in store.scan("exp:")] == ["exp:long"]
+        assert store.extend("exp:short", "owner-a", 30) is False
+        assert store.release("exp:short", "owner-a") is False
+        assert store.take_over("exp:short", "owner-b", 30, META) is None
+        assert store.release("exp:short", "owner-b") is True
+        assert store.acquire("exp:short", "owner-c", 30, OTHER_META) is None
+        lock = store.get("exp:short")
+        assert lock is not None and (lock.owner, lock.policy) == ("owner-c", "finish")
+
+    def test_counters(self, store_case: StoreCase) -> None:
+        """Stores with CounterSupport add counters in batches and read them back per prefix."""
+        store = store_case.store
+        if not isinstance(store, CounterSupport):
+            # A store without counters must not half-implement them.
+            assert not hasattr(store, "add_counts") and not hasattr(store, "read_counts")
+            return
+        store.add_counts(
+            "metrics", {("tests.add", "acquired"): 3, ("tests.add", "deduplicated"): 1}
+        )
+        store.add_counts("metrics", {("tests.add", "acquired"): 2, ("tests.other", "released"): 4})
+        store.add_counts("metrics", {})
+        assert store.read_counts("metrics") == {
+            ("tests.add", "acquired"): 5,
+            ("tests.add", "deduplicated"): 1,
+            ("tests.other", "released"): 4,
+        }
+
+    def test_concurrent_acquire_has_one_winner_per_key(self, store_case: StoreCase) -> None:
+        """8 processes (threads for an in-process store) racing for 200 keys: one winner per key."""
+        if store_case.shared_across_processes:
+            seen = _race_in_processes(store_case.url)
+        else:
+            seen = _race_in_threads(store_case.url)
+        assert len(seen) == RACE_WORKERS
+        winners: dict[str, list[str]] = {key: [] for key in RACE_KEYS}
+        for owner, saw in seen.items():
+            assert set(saw) == set(RACE_KEYS)
+            for key, holder in saw.items():
+                if holder == owner:
+                    winners[key].append(owner)
+        assert {key: len(owners) for key, owners in winners.items()} == dict.fromkeys(RACE_KEYS, 1)
+        for key, (winner,) in winners.items():
+            assert all(saw[key] == winner for saw in seen.values()), key
+            lock = store_case.store.get(key)
+            assert lock is not None and lock.owner == winner
+
+
+def _race_in_processes(url: str) -> dict[str, dict[str, str]]:
+    context = multiprocessing.get_context("fork")
+    barrier = context.Barrier(RACE_WORKERS)
+    results = context.Queue()
+    procs = [
+        context.Process(target=_race_process, args=(url, f"owner-{i}", barrier, results))
+        for i in range(RACE_WORKERS)
+    ]
+    for proc in procs:
+        proc.start()
+    seen: dict[str, dict[str, str]] = {}
+    try:
+        for _ in procs:
+            owner, saw = results.get(timeout=120)
+            assert isinstance(saw, dict), f"{owner} failed: {saw}"
+            seen[owner] = saw
+    finally:
+        for proc in procs:
+            proc.join(30)
+        results.close()
+        results.join_thread()
+    assert [proc.exitcode for proc in procs] == [0] * RACE_WORKERS
+    return seen
+
+
+def _race_in_threads(url: str) -> dict[str, dict[str, str]]:
+    barrier = threading.Barrier(RACE_WORKERS)
+    results: queue.Queue[tuple[str, dict[str, str]]] = queue.Queue()
+
+    def run(owner: str) -> None:
+        results.put((owner, race(store_from_url(url), owner, barrier.wait)))
+
+    threads = [
+        threading.Thread(target=run, args=(f"owner-{i}",)) for i in range(RACE_WORKERS)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return dict(results.get_nowait() for _ in threads)

@@ -1,0 +1,137 @@
+"""Redis Cluster store: the Redis scripts routed by slot, scan over every primary."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+from redis.exceptions import RedisClusterException
+
+from celery_dedup.exceptions import StoreUnavailable
+from celery_dedup.stores import store_from_url
+from celery_dedup.stores.redis_cluster import RedisClusterStore, cluster_url
+from tests.fixtures._servers import free_port
+from tests.fixtures.redis_cluster import RedisClusterServer
+
+pytestmark = pytest.mark.redis_cluster
+
+META = {"task_name": "tasks.add", "policy": "success"}
+
+
+@pytest.fixture
+def store(redis_cluster: RedisClusterServer) -> Iterator[RedisClusterStore]:
+    """A cluster store on flushed primaries."""
+    redis_cluster.flush()
+    store = store_from_url(redis_cluster.url)
+    assert isinstance(store, RedisClusterStore)
+    yield store
+    store.close()
+    redis_cluster.flush()
+
+
+def _keys_per_node(cluster: RedisClusterServer) -> dict[int, set[str]]:
+    found: dict[int, set[str]] = {}
+    for port in cluster.ports:
+        with cluster.node(port) as client:
+            found[port] = {k.decode() for k in client.scan_iter(count=500)}
+    return found
+
+
+def test_locks_spread_over_every_primary(
+    store: RedisClusterStore, redis_cluster: RedisClusterServer
+) -> None:
+    """Locks on many keys land on all three primaries, each on the owner of its slot."""
+    keys = [f"celery-dedup:tasks.add:{i:03d}" for i in range(60)]
+    for key in keys:
+        assert store.acquire(key, "o", 30, META) is None
+    per_node = _keys_per_node(redis_cluster)
+    assert all(per_node[port] for port in redis_cluster.ports)
+    assert set().union(*per_node.values()) == set(keys)
+
+
+def test_scan_walks_every_primary(store: RedisClusterStore) -> None:
+    """scan yields the live locks of every slot under the prefix, and nothing else."""
+    keys = {f"celery-dedup:tasks.a:{i:03d}": f"o{i}" for i in range(40)}
+    for key, owner in keys.items():
+        store.acquire(key, owner, 30, META)
+    store.acquire("celery-dedup:tasks.b:1", "b", 30, META)
+    store.acquire("other:tasks.a:1", "x", 30, META)
+    found = {lock.key: lock.owner for lock in store.scan("celery-dedup:tasks.a:")}
+    assert found == keys
+    assert all(0 < lock.ttl <= 30 for lock in store.scan("celery-dedup:"))
+
+
+def test_owner_checked_operations(store: RedisClusterStore) -> None:
+    """Duplicate, foreign release, extend, take-over and release behave as on one Redis."""
+    key = "celery-dedup:tasks.add:x"
+    assert store.acquire(key, "a", 5, META) is None
+    holder = store.acquire(key, "b", 5, META)
+    assert holder is not None and holder.owner == "a" and holder.task_name == "tasks.add"
+    assert store.release(key, "b") is False
+    assert store.extend(key, "a", 100) is True
+    lock = store.get(key)
+    assert lock is not None and 99 < lock.ttl <= 100
+    previous = store.take_over(key, "c", 30, META)
+    assert previous is not None and previous.owner == "a"
+    assert store.release(key, "a") is False
+    assert store.release(key, "c") is True
+    assert store.get(key) is None
+
+
+def test_ttl_expiry_in_milliseconds(store: RedisClusterStore) -> None:
+    """A 200 ms lock is gone after its TTL (Redis keeps millisecond TTLs)."""
+    key = "celery-dedup:tasks.add:short"
+    store.acquire(key, "a", 0.2, META)
+    assert store.acquire(key, "b", 0.2, META) is not None
+    time.sleep(0.3)
+    assert store.acquire(key, "b", 30, META) is None
+
+
+def test_counters_on_one_hash_tagged_key(
+    store: RedisClusterStore, redis_cluster: RedisClusterServer
+) -> None:
+    """Counters add up in a single hash whose name carries a hash tag."""
+    store.add_counts("celery-dedup", {("tasks.a", "acquired"): 2, ("tasks.b", "released"): 1})
+    store.add_counts("celery-dedup", {("tasks.a", "acquired"): 1})
+    assert store.read_counts("celery-dedup") == {
+        ("tasks.a", "acquired"): 3,
+        ("tasks.b", "released"): 1,
+    }
+    everywhere = set().union(*_keys_per_node(redis_cluster).values())
+    assert everywhere == {"{celery-dedup}/counters"}
+
+
+def test_building_never_connects_and_closed_port_is_unavailable() -> None:
+    """from_url on a dead address succeeds; the first call raises StoreUnavailable."""
+    store = RedisClusterStore.from_url(f"redis+cluster://127.0.0.1:{free_port()}")
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailable) as info:
+        store.acquire("celery-dedup:t:1", "o", 30, META)
+    with pytest.raises(StoreUnavailable):
+        list(store.scan("celery-dedup:"))
+    assert info.value.store == "redis-cluster"
+    assert isinstance(info.value.__cause__, (redis.RedisError, RedisClusterException))
+    assert time.monotonic() - started < 30
+    store.close()
+
+
+def test_global_keyprefix_option(
+    store: RedisClusterStore, redis_cluster: RedisClusterServer
+) -> None:
+    """global_keyprefix in the store options prefixes every physical key, not the reported one."""
+    prefixed = RedisClusterStore.from_url(redis_cluster.url, options={"global_keyprefix": "app1:"})
+    try:
+        assert prefixed.acquire("celery-dedup:t:1", "o", 30, META) is None
+        assert set().union(*_keys_per_node(redis_cluster).values()) == {"app1:celery-dedup:t:1"}
+        assert [lock.key for lock in prefixed.scan("celery-dedup:")] == ["celery-dedup:t:1"]
+        assert store.get("celery-dedup:t:1") is None
+    finally:
+        prefixed.close()
+
+
+def test_cluster_url_mapping() -> None:
+    """redis+cluster and rediss+cluster URLs map to redis-py's redis and rediss URLs."""
+    assert cluster_url("redis+cluster://h:7000/0") == "redis://h:7000/0"
+    assert cluster_url("rediss+cluster://:pw@h:7000") == "rediss://:pw@h:7000"

@@ -1,0 +1,128 @@
+"""celery-dedup's events as a real Flower shows them, with a real worker on Redis."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.app import trace
+from celery.contrib.testing.worker import start_worker
+
+from celery_dedup import DeduplicatedResult
+from celery_dedup.events import dispatcher_hostname
+from celery_dedup.runtime import runtime_for
+from tests.apps.cli_app import SLOW, make_app
+from tests.fixtures.flower import FlowerServer
+
+pytestmark = [pytest.mark.flower, pytest.mark.redis, pytest.mark.slow]
+
+WORKER = "flower-test@127.0.0.1"
+N_DUPLICATES = 3
+
+
+@pytest.fixture
+def app(flower: FlowerServer, redis_url: str) -> Iterator[Celery]:
+    """The demo app on Flower's broker, events on, locks and results in Redis db 1."""
+    app = make_app(
+        flower.broker_url,
+        redis_url,
+        worker_send_task_events=True,
+        task_send_sent_event=True,
+    )
+    yield app
+    app.close()
+
+
+@pytest.fixture
+def worker(app: Celery) -> Iterator[Any]:
+    """A real in-process worker (two threads) sending task events.
+
+    ``celery worker`` sets up the tracer with its node name (so
+    ``task.request.hostname`` is ``WORKER``); the bare test controller does
+    not, so the fixture does what ``celery.apps.worker`` does.
+    """
+    trace.setup_worker_optimizations(app, WORKER)
+    try:
+        with start_worker(
+            app, pool="threads", concurrency=2, perform_ping_check=False, hostname=WORKER,
+            loglevel="WARNING", shutdown_timeout=30,
+        ) as controller:
+            yield controller
+    finally:
+        trace.reset_worker_optimizations(app)
+        runtime_for(app).metrics.flush()
+
+
+def events_counted(flower: FlowerServer, task: str, event: str) -> float:
+    """``flower_events_total`` for one task and event type, summed over workers."""
+    total = 0.0
+    pattern = re.compile(r"^flower_events_total\{(?P<labels>[^}]*)\} (?P<value>\S+)$")
+    for line in flower.get("/metrics").splitlines():
+        match = pattern.match(line)
+        if match and f'task="{task}"' in match["labels"] and f'type="{event}"' in match["labels"]:
+            total += float(match["value"])
+    return total
+
+
+def test_duplicates_are_children_of_an_intact_holder(
+    app: Celery, worker: Any, flower: FlowerServer
+) -> None:
+    """N duplicates show as DEDUPLICATED children of a holder that stays SUCCESS on its worker."""
+    counted_before = events_counted(flower, SLOW, "task-deduplicated")
+    slow = app.tasks[SLOW]
+    holder = slow.delay(1.5, tag="flower")
+    duplicates = [slow.delay(1.5, tag="flower") for _ in range(N_DUPLICATES)]
+    assert all(isinstance(d, DeduplicatedResult) and d.id == holder.id for d in duplicates)
+    duplicate_ids = {d.duplicate_id for d in duplicates}
+    assert len(duplicate_ids) == N_DUPLICATES and holder.id not in duplicate_ids
+    assert holder.get(timeout=30) == "done flower"
+
+    def holder_done() -> dict[str, Any] | None:
+        info = flower.task(holder.id)
+        if info and info["state"] == "SUCCESS" and set(info["children"]) >= duplicate_ids:
+            return info
+        return None
+
+    info = flower.wait_for(holder_done, what="the holder's SUCCESS and children")
+    assert info["worker"] == WORKER
+    assert info["result"] == "'done flower'"
+    assert set(info["children"]) == duplicate_ids
+
+    for duplicate_id in duplicate_ids:
+        row = flower.task(duplicate_id)
+        assert row is not None
+        assert row["state"] == "DEDUPLICATED"
+        assert row["parent_id"] == holder.id
+        assert row["name"] == SLOW
+        assert row["args"] == "(1.5,)" and row["kwargs"] == "{'tag': 'flower'}"
+        assert row["result"] == f"suppressed: duplicate of {holder.id}"
+        assert row["worker"] == dispatcher_hostname()
+
+    filtered = flower.get_json(f"/api/tasks?state=DEDUPLICATED&taskname={SLOW}")
+    assert duplicate_ids <= set(filtered)
+    assert holder.id not in filtered
+    assert all(row["state"] == "DEDUPLICATED" for row in filtered.values())
+
+    assert events_counted(flower, SLOW, "task-deduplicated") - counted_before == N_DUPLICATES
+
+
+def test_skipped_task_shows_ignored(app: Celery, worker: Any, flower: FlowerServer) -> None:
+    """A message that bypassed apply_async and was skipped by the worker shows as IGNORED."""
+    slow = app.tasks[SLOW]
+    holder = slow.delay(2.0, tag="skip")
+    bypass = app.send_task(SLOW, args=(2.0,), kwargs={"tag": "skip"})
+    assert bypass.id != holder.id
+    assert holder.get(timeout=30) == "done skip"
+
+    def skipped() -> dict[str, Any] | None:
+        info = flower.task(bypass.id)
+        return info if info and info["state"] == "IGNORED" else None
+
+    info = flower.wait_for(skipped, what="the skipped task's IGNORED state")
+    assert info["worker"] == WORKER
+    assert holder.id in info["result"]
+    assert bypass.state == "IGNORED"
+    assert flower.wait_for(lambda: (flower.task(holder.id) or {}).get("state") == "SUCCESS")
