@@ -21,6 +21,7 @@ from .exceptions import (
     ImproperlyConfigured,
     InvalidOptionError,
     MissingDeduplicationKey,
+    ScanNotSupported,
     StoreUnavailable,
 )
 from .identity import Identity, time_bucket
@@ -54,6 +55,7 @@ __all__ = [
     "Lock",
     "MissingDeduplicationKey",
     "OnDuplicate",
+    "ScanNotSupported",
     "StoreUnavailable",
     "UniqueUntil",
     "dedup_fallback",

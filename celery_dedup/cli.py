@@ -8,6 +8,7 @@ app given to ``celery -A``::
     celery -A proj dedup release KEY [--force]
     celery -A proj dedup purge [--task NAME] [--expired] [--force]
     celery -A proj dedup stats [--json]
+    celery -A proj dedup reap [--task NAME]
 
 ``KEY`` is a full store key or a unique prefix of its digest (the
 ``DIGEST`` column of ``list``). Every release is a compare-and-delete on
@@ -27,8 +28,9 @@ from celery.result import AsyncResult
 from kombu.utils.json import dumps
 
 from .api import release as release_lock
-from .exceptions import StoreUnavailable
+from .exceptions import ScanNotSupported, StoreUnavailable
 from .metrics import EVENTS, live_locks
+from .reaper import reap as reap_locks
 from .runtime import Runtime, runtime_for
 from .stores.base import Lock, LockStore
 from .worker import short
@@ -69,7 +71,7 @@ class _Context:
         prefix = f"{self.prefix}:{task}:" if task else f"{self.prefix}:"
         try:
             locks = [lock for lock in self.store.scan(prefix) if not task or lock.task_name == task]
-        except StoreUnavailable as exc:
+        except (StoreUnavailable, ScanNotSupported) as exc:
             raise click.ClickException(str(exc)) from exc
         return sorted(locks, key=lambda lock: (lock.task_name, lock.key))
 
@@ -288,3 +290,19 @@ def stats(ctx: click.Context, /, as_json: bool, **kwargs: Any) -> None:
     rows = [(name, *(str(value) for value in row.values())) for name, row in table.items()]
     for line in _table(rows, header):
         c.obj.echo(line)
+
+
+@dedup.command(cls=CeleryCommand)
+@click.option("--task", "task", cls=CeleryOption, help_group="Dedup Options",
+              help="Only the locks of this task name.")
+@click.pass_context
+def reap(ctx: click.Context, /, task: str | None, **kwargs: Any) -> None:
+    """Release locks whose holder finished in a state its policy releases on."""
+    c = _Context(ctx)
+    try:
+        released = reap_locks(c.app, task_name=task)
+    except StoreUnavailable as exc:
+        raise click.ClickException(str(exc)) from exc
+    for lock in released:
+        c.obj.echo(f"{c.obj.OK} reaped {short(lock.key)} held by {lock.task_name}[{lock.owner}]")
+    c.obj.echo(f"{len(released)} lock{'s' if len(released) != 1 else ''} reaped.")

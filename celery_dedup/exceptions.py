@@ -9,6 +9,7 @@ The hierarchy::
     ├── DuplicateTaskError                     on_duplicate="raise" and the key is held
     ├── DeduplicationUnavailable (RuntimeError) no usable store and dedup_fallback="closed"
     ├── StoreUnavailable (ConnectionError)     the lock store cannot be reached
+    ├── ScanNotSupported (NotImplementedError) the store cannot list its locks (memcached)
     └── ImproperlyConfigured                   unknown store scheme or missing driver
         (also celery.exceptions.ImproperlyConfigured)
 
@@ -31,6 +32,7 @@ __all__ = [
     "ImproperlyConfigured",
     "InvalidOptionError",
     "MissingDeduplicationKey",
+    "ScanNotSupported",
     "StoreUnavailable",
 ]
 
@@ -108,6 +110,14 @@ class DeduplicationUnavailable(DedupError, RuntimeError):
 
 class StoreUnavailable(DedupError, ConnectionError):
     """The lock store could not be reached (refused, timed out, gone away)."""
+
+    def __init__(self, message: str, *, store: str) -> None:
+        super().__init__(message)
+        self.store = store
+
+
+class ScanNotSupported(DedupError, NotImplementedError):
+    """The store cannot list its locks (``scan``), though every other operation works."""
 
     def __init__(self, message: str, *, store: str) -> None:
         super().__init__(message)

@@ -258,12 +258,12 @@ class DedupTask(_Task):
             unique_for=call.unique_for,
             replace=call.on_duplicate is OnDuplicate.REPLACE,
         )
-        store = config.runtime.store
-        if store is None:
-            config.runtime.fall_back(self.name, None)
-            return mark_result(publish(task_id, NO_LOCK), key)
         meta = {"task_name": self.name, "policy": call.unique_until.value}
         try:
+            store = config.runtime.store
+            if store is None:
+                config.runtime.fall_back(self.name, None)
+                return mark_result(publish(task_id, NO_LOCK), key)
             if header.replace:
                 previous = store.take_over(key, task_id, ttl, meta)
                 holder = None

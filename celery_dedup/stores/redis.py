@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -110,6 +111,8 @@ class RedisStore:
     """
 
     name = "redis"
+    #: the driver errors that mean "the server cannot be reached"
+    unreachable: tuple[type[BaseException], ...] = UNREACHABLE
 
     def __init__(self, client: Any, *, keyprefix: str = "", label: str = "redis") -> None:
         self.client = client
@@ -144,6 +147,16 @@ class RedisStore:
             client = _with_options(backend, options)
         return cls(client, keyprefix=keyprefix, label=label)
 
+    @contextmanager
+    def _boundary(self) -> Iterator[None]:
+        """Translate this store's unreachable errors into ``StoreUnavailable``."""
+        with unavailable_on(self.unreachable, self.name, lambda: self.label):
+            yield
+
+    def close(self) -> None:
+        """Close the client's connections."""
+        self.client.close()
+
     def _k(self, key: str) -> str:
         return self.keyprefix + key
 
@@ -172,29 +185,29 @@ class RedisStore:
 
     def acquire(self, key: str, owner: str, ttl: float, meta: LockMeta) -> Lock | None:
         """Take the lock, or return the holder (one EVALSHA)."""
-        with unavailable_on(UNREACHABLE, self.name, lambda: self.label):
+        with self._boundary():
             raw = self._acquire(keys=[self._k(key)], args=self._argv(owner, ttl, meta))
         return self._lock(key, raw)
 
     def release(self, key: str, owner: str) -> bool:
         """Compare-and-delete on the owner (one EVALSHA)."""
-        with unavailable_on(UNREACHABLE, self.name, lambda: self.label):
+        with self._boundary():
             return bool(self._release(keys=[self._k(key)], args=[owner]))
 
     def extend(self, key: str, owner: str, ttl: float) -> bool:
         """Compare-and-pexpire on the owner (one EVALSHA)."""
-        with unavailable_on(UNREACHABLE, self.name, lambda: self.label):
+        with self._boundary():
             return bool(self._extend(keys=[self._k(key)], args=[owner, _ms(ttl)]))
 
     def take_over(self, key: str, owner: str, ttl: float, meta: LockMeta) -> Lock | None:
         """Make ``owner`` the holder; return the previous one (one EVALSHA)."""
-        with unavailable_on(UNREACHABLE, self.name, lambda: self.label):
+        with self._boundary():
             raw = self._take_over(keys=[self._k(key)], args=self._argv(owner, ttl, meta))
         return self._lock(key, raw)
 
     def get(self, key: str) -> Lock | None:
         """The live lock at ``key`` (one EVALSHA)."""
-        with unavailable_on(UNREACHABLE, self.name, lambda: self.label):
+        with self._boundary():
             raw = self._get(keys=[self._k(key)])
         return self._lock(key, raw)
 
@@ -204,11 +217,11 @@ class RedisStore:
 
     def _scan_client(self, client: Any, prefix: str) -> Iterator[Lock]:
         pattern = _glob_escape(self._k(prefix)) + "*"
-        with unavailable_on(UNREACHABLE, self.name, lambda: self.label):
+        with self._boundary():
             keys = [_text(k) for k in client.scan_iter(match=pattern, count=500)]
         for start in range(0, len(keys), 500):
             batch = keys[start : start + 500]
-            with unavailable_on(UNREACHABLE, self.name, lambda: self.label):
+            with self._boundary():
                 pipe = client.pipeline(transaction=False)
                 for physical in batch:
                     pipe.hmget(physical, "owner", "task", "policy", "at")
@@ -229,7 +242,7 @@ class RedisStore:
         """HINCRBY every counter in one pipelined round trip."""
         if not counts:
             return
-        with unavailable_on(UNREACHABLE, self.name, lambda: self.label):
+        with self._boundary():
             pipe = self.client.pipeline(transaction=False)
             for (task_name, event), n in counts.items():
                 pipe.hincrby(self._counts_key(prefix), f"{task_name}\x1f{event}", n)
@@ -237,7 +250,7 @@ class RedisStore:
 
     def read_counts(self, prefix: str) -> dict[tuple[str, str], int]:
         """Every stored counter under ``prefix``."""
-        with unavailable_on(UNREACHABLE, self.name, lambda: self.label):
+        with self._boundary():
             raw = self.client.hgetall(self._counts_key(prefix))
         counts: dict[tuple[str, str], int] = {}
         for field, value in raw.items():

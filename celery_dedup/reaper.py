@@ -1,0 +1,104 @@
+"""Release locks whose holder already ended in a state that should have freed them.
+
+A worker that is SIGKILLed (or loses its store connection) after the
+result backend recorded the task's end never releases its lock; the TTL
+would. The reaper asks the result backend and releases, owner-checked,
+every lock whose holder finished in a state its policy releases on:
+``SUCCESS`` for ``success``/``finish``, ``FAILURE`` for ``finish``,
+``REVOKED`` for everything but ``expiry``.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+
+from celery import states
+
+from .policy import UniqueUntil
+from .runtime import runtime_for
+from .signals import lock_released
+from .stores.base import Lock
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+__all__ = ["REAP_TASK_NAME", "reap", "register_reaper", "should_release"]
+
+logger = logging.getLogger("celery_dedup")
+
+#: the name of the task ``register_reaper`` adds to an app
+REAP_TASK_NAME = "celery_dedup.reap"
+
+
+def should_release(lock: Lock, state: str) -> bool:
+    """Whether a holder that ended in ``state`` should have released ``lock``."""
+    try:
+        policy = UniqueUntil(lock.policy)
+    except ValueError:
+        return False
+    if state == states.SUCCESS:
+        return policy.releases_on_success()
+    if state == states.FAILURE:
+        return policy.releases_on_failure()
+    if state == states.REVOKED:
+        return policy.releases_on_revoke()
+    return False
+
+
+def _finished_after_acquire(date_done: Any, lock: Lock) -> bool:
+    # With deterministic ids a new holder reuses an old id: an old result must
+    # not free the new run's lock, so only a result newer than the lock counts.
+    if isinstance(date_done, str):
+        date_done = datetime.fromisoformat(date_done)
+    if not isinstance(date_done, datetime):
+        return False
+    if date_done.tzinfo is None:
+        date_done = date_done.replace(tzinfo=timezone.utc)
+    return bool(date_done.timestamp() >= lock.acquired_at - 1.0)
+
+
+def reap(app: Celery, *, task_name: str | None = None) -> list[Lock]:
+    """Release the locks of finished holders; return the locks released.
+
+    One result-backend read per live lock: a maintenance job, not a hot path.
+    """
+    runtime = runtime_for(app)
+    store = runtime.store
+    if store is None:
+        return []
+    prefix = f"{runtime.settings.key_prefix}:{task_name + ':' if task_name else ''}"
+    released: list[Lock] = []
+    for lock in list(store.scan(prefix)):
+        result = app.AsyncResult(lock.owner)
+        state = result.state
+        if not should_release(lock, state) or not _finished_after_acquire(result.date_done, lock):
+            continue
+        if store.release(lock.key, lock.owner):
+            released.append(lock)
+            runtime.metrics.incr(lock.task_name, "released")
+            lock_released.send(sender=None, key=lock.key, task_id=lock.owner, reason="reaped")
+            logger.info(
+                "celery-dedup: reaped lock %s of %s[%s] (%s)",
+                lock.key.rsplit(":", 1)[-1][:16], lock.task_name, lock.owner, state,
+            )
+    return released
+
+
+def register_reaper(app: Celery) -> Any:
+    """Add the ``celery_dedup.reap`` task to ``app``, to run from ``beat_schedule``.
+
+    ::
+
+        register_reaper(app)
+        app.conf.beat_schedule = {
+            "dedup-reap": {"task": "celery_dedup.reap", "schedule": 300.0},
+        }
+    """
+
+    @app.task(name=REAP_TASK_NAME, shared=False, ignore_result=True)
+    def reap_locks() -> int:
+        return len(reap(app))
+
+    return reap_locks

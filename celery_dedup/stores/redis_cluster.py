@@ -1,0 +1,146 @@
+"""Redis Cluster lock store: the Redis store's scripts, routed by key slot.
+
+Every script of ``stores/redis.py`` touches exactly one key, passed in
+``KEYS``, so redis-py's ``RedisCluster`` sends each ``EVALSHA`` to the primary
+that owns the key's slot: acquire, release, extend, take-over and get stay one
+atomic round trip. ``scan`` walks every primary in turn; the counters live in
+one hash whose name carries a hash tag.
+
+The cluster client connects on first use, not when the store is built, so a
+cluster that is down at start-up is reported as ``StoreUnavailable`` by the
+first call (and ``dedup_fallback`` applies) rather than breaking the app.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from redis.commands.core import Script
+from redis.exceptions import (
+    ClusterDownError,
+    ClusterError,
+    MasterDownError,
+    RedisClusterException,
+    SlotNotCoveredError,
+    TryAgainError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from .base import Lock
+from .redis import RedisStore
+
+if TYPE_CHECKING:
+    from celery import Celery
+    from redis.cluster import RedisCluster
+
+__all__ = ["RedisClusterStore", "cluster_url"]
+
+#: The driver errors that mean "the cluster cannot serve this key now".
+UNREACHABLE: tuple[type[BaseException], ...] = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    ClusterDownError,
+    ClusterError,
+    MasterDownError,
+    SlotNotCoveredError,
+    TryAgainError,
+    # What RedisCluster raises when no start-up node answers.
+    RedisClusterException,
+    OSError,
+)
+
+#: Client settings used unless ``dedup_store_options`` overrides them.
+DEFAULT_OPTIONS: Mapping[str, Any] = {"socket_connect_timeout": 1.0, "socket_timeout": 2.0}
+
+
+def cluster_url(url: str) -> str:
+    """``redis+cluster://h:p`` → ``redis://h:p`` (and ``rediss+cluster`` → ``rediss``)."""
+    scheme, sep, rest = url.partition("://")
+    return scheme.replace("+cluster", "") + sep + rest
+
+
+class _LazyCluster:
+    """A ``RedisCluster`` built on first attribute access, so building the store never connects.
+
+    ``register_script`` returns a ``Script`` bound to this proxy: the script is
+    hashed from its bytes here, and ``EVALSHA`` goes through the real client.
+    """
+
+    def __init__(self, connect: Callable[[], RedisCluster]) -> None:
+        self._connect = connect
+        self._client: RedisCluster | None = None
+        self._mutex = threading.Lock()
+
+    def register_script(self, script: str) -> Script:
+        """A script run through this proxy (EVALSHA with NOSCRIPT reload)."""
+        return Script(self, script.encode())  # type: ignore[arg-type]
+
+    def real(self) -> RedisCluster:
+        """The connected ``RedisCluster`` (connects on first call)."""
+        if self._client is None:
+            with self._mutex:
+                if self._client is None:
+                    self._client = self._connect()
+        return self._client
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real(), name)
+
+    def close(self) -> None:
+        """Close the cluster's connections, if it ever connected."""
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+class RedisClusterStore(RedisStore):
+    """Owner-checked TTL locks in a Redis Cluster (``redis+cluster://host:port``).
+
+    Any node of the cluster can be given; the others are discovered.
+    ``global_keyprefix`` in ``dedup_store_options`` prefixes every key. The
+    scripts are the Redis store's: single-key, so each runs on the key's
+    primary in one round trip.
+    """
+
+    name = "redis-cluster"
+    unreachable = UNREACHABLE
+
+    @classmethod
+    def from_url(
+        cls, url: str, *, app: Celery | None = None, options: Mapping[str, Any] | None = None
+    ) -> RedisClusterStore:
+        """Build a lazily connecting ``RedisCluster`` client for ``url``."""
+        from kombu.utils.url import maybe_sanitize_url
+        from redis.cluster import RedisCluster
+
+        given = {**DEFAULT_OPTIONS, **dict(options or {})}
+        keyprefix = str(given.pop("global_keyprefix", "") or "")
+        target = cluster_url(url)
+
+        def connect() -> RedisCluster:
+            return RedisCluster.from_url(target, **given)
+
+        return cls(
+            _LazyCluster(connect),
+            keyprefix=keyprefix,
+            label=f"redis-cluster ({maybe_sanitize_url(url)})",
+        )
+
+    def scan(self, prefix: str) -> Iterator[Lock]:
+        """Every live lock under ``prefix``: SCAN each primary, read its keys in one pipeline.
+
+        Keys that move between primaries during the walk (resharding) can be
+        missed or reported twice.
+        """
+        with self._boundary():
+            primaries = self.client.get_primaries()
+            for node in primaries:
+                node_client = self.client.get_redis_connection(node)
+                yield from self._scan_client(node_client, prefix)
+
+    def _counts_key(self, prefix: str) -> str:
+        # One hash; the tag keeps it in one slot whatever is appended to it.
+        return str(self._k("{" + prefix + "}/counters"))
