@@ -35,7 +35,7 @@ from .runtime import Runtime, runtime_for
 from .stores.base import Lock, LockStore
 from .worker import short
 
-__all__ = ["dedup", "holder_state", "is_running"]
+__all__ = ["FINISHED_STATES", "dedup", "holder_state", "is_running", "lock_dict", "render_table"]
 
 #: result-backend states that mean "the holder is running"
 RUNNING_STATES = frozenset({states.STARTED, states.RETRY})
@@ -103,7 +103,7 @@ def _digest(key: str) -> str:
     return key.rsplit(":", 1)[-1]
 
 
-def _lock_dict(lock: Lock, state: str | None = None) -> dict[str, Any]:
+def lock_dict(lock: Lock, state: str | None = None) -> dict[str, Any]:
     data: dict[str, Any] = {
         "key": lock.key,
         "digest": _digest(lock.key),
@@ -119,7 +119,7 @@ def _lock_dict(lock: Lock, state: str | None = None) -> dict[str, Any]:
     return data
 
 
-def _table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> Iterable[str]:
+def render_table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> Iterable[str]:
     widths = [max(len(cell) for cell in column) for column in zip(header, *rows, strict=True)]
     for row in (header, *rows):
         cells = (cell.ljust(width) for cell, width in zip(row, widths, strict=True))
@@ -175,7 +175,7 @@ def list_(ctx: click.Context, /, task: str | None, as_json: bool, **kwargs: Any)
     c = _Context(ctx)
     locks = c.scan(task)
     if as_json:
-        c.obj.echo(dumps([_lock_dict(lock) for lock in locks]))
+        c.obj.echo(dumps([lock_dict(lock) for lock in locks]))
         return
     if not locks:
         c.obj.echo("No live locks.")
@@ -184,7 +184,7 @@ def list_(ctx: click.Context, /, task: str | None, as_json: bool, **kwargs: Any)
         (short(lock.key), lock.task_name, lock.owner, lock.policy, f"{lock.ttl:.0f}")
         for lock in locks
     ]
-    for line in _table(rows, ("DIGEST", "TASK", "HOLDER", "POLICY", "SECONDS LEFT")):
+    for line in render_table(rows, ("DIGEST", "TASK", "HOLDER", "POLICY", "SECONDS LEFT")):
         c.obj.echo(line)
     c.obj.echo(f"{len(locks)} live lock{'s' if len(locks) != 1 else ''}.")
 
@@ -198,7 +198,7 @@ def show(ctx: click.Context, /, key_or_task_id: str, as_json: bool, **kwargs: An
     """Show one lock, by key, digest prefix or holder task id."""
     c = _Context(ctx)
     lock = c.find(key_or_task_id, by_owner=True)
-    data = _lock_dict(lock, holder_state(c.app, lock.owner))
+    data = lock_dict(lock, holder_state(c.app, lock.owner))
     if as_json:
         c.obj.echo(dumps(data))
         return
@@ -288,7 +288,7 @@ def stats(ctx: click.Context, /, as_json: bool, **kwargs: Any) -> None:
         return
     header = ("TASK", *(event.upper() for event in EVENTS), "LIVE LOCKS")
     rows = [(name, *(str(value) for value in row.values())) for name, row in table.items()]
-    for line in _table(rows, header):
+    for line in render_table(rows, header):
         c.obj.echo(line)
 
 

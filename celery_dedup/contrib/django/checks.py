@@ -1,0 +1,156 @@
+"""System checks (``manage.py check``) for the ``CELERY_DEDUP_*`` settings.
+
+Each invalid setting is reported with its own id, a message naming the
+setting, its value and the allowed values (from the same validators the task
+uses), and a hint. Settings come from Django settings (``CELERY_DEDUP_*``,
+the ``namespace="CELERY"`` convention) and from the Celery app's ``app.conf``
+(values set in code, which win over Django settings).
+
+======================  ===============================================
+id                      setting
+======================  ===============================================
+``celery_dedup.E001``   ``CELERY_DEDUP_STORE``
+``celery_dedup.E002``   ``CELERY_DEDUP_KEY_PREFIX``
+``celery_dedup.E003``   ``CELERY_DEDUP_DEFAULT_TTL``
+``celery_dedup.E004``   ``CELERY_DEDUP_DEFAULT_UNIQUE_UNTIL``
+``celery_dedup.E005``   ``CELERY_DEDUP_DEFAULT_IDENTITY``
+``celery_dedup.E006``   ``CELERY_DEDUP_DEFAULT_ON_DUPLICATE``
+``celery_dedup.E007``   ``CELERY_DEDUP_FALLBACK``
+``celery_dedup.E008``   ``CELERY_DEDUP_SEND_EVENTS``
+``celery_dedup.E009``   ``CELERY_DEDUP_STORE`` names an unknown scheme
+``celery_dedup.E010``   ``CELERY_DEDUP_STORE_OPTIONS`` is not a mapping
+``celery_dedup.W001``   an unknown ``CELERY_DEDUP_*`` setting (a typo?)
+======================  ===============================================
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterator, Mapping
+from importlib.metadata import entry_points
+from typing import Any, Final
+
+from django.conf import settings
+from django.core.checks import CheckMessage, Error, Warning
+
+from ...exceptions import InvalidOptionError
+from ...options import SETTINGS
+from ...stores import ALIASES, ENTRY_POINT_GROUP, split_url
+
+__all__ = ["CHECK_IDS", "check_settings", "django_setting_name"]
+
+#: ``dedup_*`` setting → check id of its "invalid value" error.
+CHECK_IDS: Final[Mapping[str, str]] = {
+    "dedup_store": "celery_dedup.E001",
+    "dedup_key_prefix": "celery_dedup.E002",
+    "dedup_default_ttl": "celery_dedup.E003",
+    "dedup_default_unique_until": "celery_dedup.E004",
+    "dedup_default_identity": "celery_dedup.E005",
+    "dedup_default_on_duplicate": "celery_dedup.E006",
+    "dedup_fallback": "celery_dedup.E007",
+    "dedup_send_events": "celery_dedup.E008",
+}
+E_UNKNOWN_SCHEME: Final = "celery_dedup.E009"
+E_STORE_OPTIONS: Final = "celery_dedup.E010"
+W_UNKNOWN_SETTING: Final = "celery_dedup.W001"
+
+#: every setting celery-dedup reads
+KNOWN: Final = frozenset({*SETTINGS, "dedup_store_options"})
+
+_NAMESPACE: Final = "CELERY_"
+
+
+def django_setting_name(name: str) -> str:
+    """``dedup_default_ttl`` → ``CELERY_DEDUP_DEFAULT_TTL``."""
+    return _NAMESPACE + name.upper()
+
+
+def _given() -> Iterator[tuple[str, str, Any]]:
+    """``(dedup_* name, where it was set, value)`` for every dedup setting given."""
+    seen: dict[str, Any] = {}
+    for attr in sorted(set(dir(settings))):
+        if attr.startswith(_NAMESPACE + "DEDUP_"):
+            name = attr[len(_NAMESPACE) :].lower()
+            seen[name] = getattr(settings, attr)
+            yield name, attr, seen[name]
+    conf = _app_conf()
+    if conf is None:
+        return
+    for name in sorted(KNOWN):
+        value = conf.get(name)
+        if value is not None and (name not in seen or seen[name] != value):
+            yield name, f"app.conf.{name}", value
+
+
+def _app_conf() -> Any:
+    """The current Celery app's configuration, or ``None`` if it cannot be read."""
+    from celery import current_app
+
+    try:
+        return current_app.conf
+    except Exception:  # a broken Celery config is reported by Celery itself
+        return None
+
+
+def _check_one(name: str, where: str, value: Any) -> Error | None:
+    if name == "dedup_store_options":
+        if value is not None and not isinstance(value, Mapping):
+            return Error(
+                f"{where}={value!r} is not valid; expected a dict of store options",
+                hint="Pass keyword arguments of the store's client, e.g. {'socket_timeout': 1}.",
+                id=E_STORE_OPTIONS,
+            )
+        return None
+    validate = SETTINGS[name][1]
+    try:
+        validate(value, where)
+    except InvalidOptionError as exc:
+        return Error(
+            str(exc),
+            hint=f"Set {where} to {exc.allowed}, or remove it to use the default "
+            f"({_default(name)!r}).",
+            id=CHECK_IDS[name],
+        )
+    if name == "dedup_store" and value is not None:
+        return _check_scheme(where, value)
+    return None
+
+
+def _default(name: str) -> Any:
+    default = SETTINGS[name][0]
+    return getattr(default, "value", default)
+
+
+def _check_scheme(where: str, url: str) -> Error | None:
+    alias, _ = split_url(url)
+    plugins = {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    if alias in ALIASES or alias in plugins:
+        return None
+    known = ", ".join(sorted({*ALIASES, *plugins}))
+    return Error(
+        f"{where} uses the unknown lock store scheme {alias!r}",
+        hint=f"Use one of: {known}; or register a store under the {ENTRY_POINT_GROUP!r} "
+        "entry-point group.",
+        id=E_UNKNOWN_SCHEME,
+    )
+
+
+def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Report every invalid or unknown celery-dedup setting."""
+    messages: list[CheckMessage] = []
+    for name, where, value in _given():
+        if name not in KNOWN:
+            close = difflib.get_close_matches(name, sorted(KNOWN), n=1)
+            hint = (
+                f"Did you mean {django_setting_name(close[0])}?"
+                if close
+                else "Known settings: " + ", ".join(sorted(map(django_setting_name, KNOWN)))
+            )
+            messages.append(
+                Warning(f"{where} is not a celery-dedup setting", hint=hint, id=W_UNKNOWN_SETTING)
+            )
+            continue
+        error = _check_one(name, where, value)
+        if error is not None:
+            messages.append(error)
+    return messages

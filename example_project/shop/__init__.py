@@ -1,0 +1,1 @@
+"""The example shop: tasks that mirror real uses of celery-dedup."""

@@ -1,0 +1,141 @@
+"""The admin page of live locks, with locks taken and left by a real worker."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import Permission, User
+from django.test import Client
+
+from celery_dedup.runtime import runtime_for
+
+URL = "/admin/celery_dedup/deduplock/"
+
+
+def _user(name: str, *, staff: bool, perms: tuple[str, ...]) -> Client:
+    user = User.objects.create_user(name, password="pw", is_staff=staff)
+    user.user_permissions.set(
+        Permission.objects.filter(content_type__app_label="celery_dedup", codename__in=perms)
+    )
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+@pytest.fixture
+def held(worker: Any, celery_app: Any) -> Any:
+    """A ``send_digest`` run by the worker: its ``expiry`` lock stays held with a stored result."""
+    from shop.tasks import send_digest
+
+    result = send_digest.delay(7)
+    assert result.get(timeout=30) == "digest sent to user 7"
+    return result
+
+
+@pytest.fixture
+def pending(celery_app: Any, transactional_db: None) -> Any:
+    """A published ``send_digest`` nobody runs (no worker here): its lock is held."""
+    from shop.tasks import send_digest
+
+    return send_digest.delay(8)
+
+
+def test_changelist_lists_real_locks(held: Any) -> None:
+    """A staff user with view permission sees task, digest, holder linked to its result, policy."""
+    client = _user("viewer", staff=True, perms=("view_deduplock",))
+    page = client.get(URL)
+    assert page.status_code == 200
+    html = page.content.decode()
+    assert "shop.tasks.send_digest" in html
+    assert held.deduplication_key.rsplit(":", 1)[-1][:16] in html
+    assert held.id in html and "expiry" in html
+    assert "/admin/django_celery_results/taskresult/" in html  # the holder's result
+    assert "Release selected locks" not in html  # no delete permission, no action
+
+
+def test_search_and_task_filter(pending: Any, celery_app: Any) -> None:
+    """Search and the task filter narrow the list; unmatched locks disappear."""
+    from shop.tasks import sync_address
+
+    sync_address.delay(1, {"zip": "10115"})  # a second lock, pending (never run here)
+    client = _user("viewer", staff=True, perms=("view_deduplock",))
+    both = client.get(URL).content.decode()
+    assert "shop.tasks.send_digest" in both and "shop.tasks.sync_address" in both
+    filtered = client.get(URL, {"task": "shop.tasks.sync_address"}).content.decode()
+    assert pending.id not in filtered and "shop.tasks.sync_address</td>" in filtered
+    searched = client.get(URL, {"q": pending.id}).content.decode()
+    assert pending.id in searched and "shop.tasks.sync_address</td>" not in searched
+
+
+def test_release_action_releases_the_lock(held: Any, celery_app: Any) -> None:
+    """The owner-checked release action frees the lock; the same call then publishes again."""
+    from shop.tasks import send_digest
+
+    client = _user("releaser", staff=True, perms=("view_deduplock", "delete_deduplock"))
+    page = client.get(URL).content.decode()
+    assert "Release selected locks" in page
+    value = json.dumps([held.deduplication_key, held.id])
+    response = client.post(URL, {"action": "release_selected", "_selected_action": [value]},
+                           follow=True)
+    assert response.status_code == 200
+    assert "Released 1 lock." in response.content.decode()
+    assert runtime_for(celery_app).store.get(held.deduplication_key) is None
+    again = send_digest.delay(7)
+    assert again.deduplicated is False and again.get(timeout=30)
+
+
+def test_release_action_is_owner_checked(pending: Any, celery_app: Any) -> None:
+    """A selection naming a holder that no longer holds the lock releases nothing."""
+    client = _user("releaser", staff=True, perms=("view_deduplock", "delete_deduplock"))
+    stale = json.dumps([pending.deduplication_key, "some-earlier-holder"])
+    response = client.post(URL, {"action": "release_selected", "_selected_action": [stale]},
+                           follow=True)
+    assert "1 lock was not released" in response.content.decode()
+    lock = runtime_for(celery_app).store.get(pending.deduplication_key)
+    assert lock is not None and lock.owner == pending.id
+
+
+def test_release_needs_delete_permission(pending: Any, celery_app: Any) -> None:
+    """Posting the action without the delete permission is refused and keeps the lock."""
+    client = _user("viewer", staff=True, perms=("view_deduplock",))
+    value = json.dumps([pending.deduplication_key, pending.id])
+    response = client.post(URL, {"action": "release_selected", "_selected_action": [value]})
+    assert response.status_code == 403
+    assert runtime_for(celery_app).store.get(pending.deduplication_key) is not None
+
+
+def test_non_staff_user_is_refused(pending: Any) -> None:
+    """A logged-in user who is not staff is sent to the admin login, even with permissions."""
+    client = _user("customer", staff=False, perms=("view_deduplock", "delete_deduplock"))
+    response = client.get(URL)
+    assert response.status_code == 302 and "/admin/login/" in response["Location"]
+    assert pending.id not in client.get(URL, follow=True).content.decode()
+
+
+def test_staff_without_model_permission_is_refused(pending: Any) -> None:
+    """Staff without the lock model's view permission get 403."""
+    client = _user("staff", staff=True, perms=())
+    assert client.get(URL).status_code == 403
+
+
+def test_admin_lists_a_redis_store(celery_app: Any, redis_url: str, transactional_db: None) -> None:
+    """With another store (Redis) the same page lists and releases its locks."""
+    from django.test import override_settings
+    from shop.tasks import sync_address
+
+    from celery_dedup.runtime import reset_runtime
+
+    with override_settings(CELERY_DEDUP_STORE=redis_url):
+        reset_runtime(celery_app)
+        sync_address._dedup_config = None
+        result = sync_address.delay(5, {"zip": "1"})
+        store = runtime_for(celery_app).store
+        assert type(store).__name__ == "RedisStore"
+        client = _user("releaser", staff=True, perms=("view_deduplock", "delete_deduplock"))
+        assert result.id in client.get(URL).content.decode()
+        value = json.dumps([result.deduplication_key, result.id])
+        client.post(URL, {"action": "release_selected", "_selected_action": [value]})
+        assert store.get(result.deduplication_key) is None
+    sync_address._dedup_config = None

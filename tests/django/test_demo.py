@@ -1,0 +1,64 @@
+"""``manage.py demo`` (README's first command) against a real worker subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+EXPECTED = {
+    #                     published, suppressed, raised, run, released
+    "send_digest": (2, 2, 0, 2, 0),
+    "sync_address": (3, 1, 0, 3, 3),
+    "process_payment": (1, 0, 1, 1, 1),
+    "fulfill_order": (1, 1, 1, 1, 0),
+    "probe_server": (1, 1, 0, 0, 1),
+    "notify": (2, 0, 0, 2, 0),
+    "purge_expired_locks": (1, 1, 0, 1, 1),
+    "total": (11, 6, 2, 10, 6),
+}
+
+
+def run_demo(var_dir: Path, **env: str) -> tuple[dict[str, tuple[int, ...]], str, float]:
+    """Run the demo as a user would; return its table, its output and its duration."""
+    skip = ("DJANGO_SETTINGS_MODULE", "REDIS_URL")
+    environ = {k: v for k, v in os.environ.items() if k not in skip}
+    environ.update(EXAMPLE_VAR_DIR=str(var_dir), **env)
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "example_project/manage.py", "demo"],
+        cwd=ROOT, env=environ, capture_output=True, text=True, timeout=120, check=False,
+    )
+    elapsed = time.monotonic() - started
+    assert done.returncode == 0, done.stdout + done.stderr
+    table = {}
+    for line in done.stdout.splitlines():
+        cells = line.split()
+        if len(cells) == 6 and cells[0] in EXPECTED:
+            table[cells[0]] = tuple(int(c) for c in cells[1:])
+    return table, done.stdout, elapsed
+
+
+@pytest.mark.slow
+def test_demo_on_the_zero_server_default(tmp_path: Path) -> None:
+    """On the embedded default the demo prints the expected table in under a minute."""
+    table, out, elapsed = run_demo(tmp_path)
+    assert table == EXPECTED, out
+    assert "broker filesystem://" in out and "DjangoStore" in out
+    assert elapsed < 60
+    assert (tmp_path / "db.sqlite3").exists() and (tmp_path / "broker" / "queue").is_dir()
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+def test_demo_on_redis(tmp_path: Path, redis_url: str) -> None:
+    """With REDIS_URL set, the demo runs on Redis (broker, results, locks): the same table."""
+    table, out, _elapsed = run_demo(tmp_path, REDIS_URL=redis_url)
+    assert table == EXPECTED, out
+    assert "broker redis://" in out and "RedisStore" in out
