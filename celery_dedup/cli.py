@@ -35,7 +35,15 @@ from .runtime import Runtime, runtime_for
 from .stores.base import Lock, LockStore
 from .worker import short
 
-__all__ = ["FINISHED_STATES", "dedup", "holder_state", "is_running", "lock_dict", "render_table"]
+__all__ = [
+    "FINISHED_STATES",
+    "dedup",
+    "holder_state",
+    "is_running",
+    "list_lines",
+    "lock_dict",
+    "render_table",
+]
 
 #: result-backend states that mean "the holder is running"
 RUNNING_STATES = frozenset({states.STARTED, states.RETRY})
@@ -126,6 +134,19 @@ def render_table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> Iterab
         yield "  ".join(cells).rstrip()
 
 
+def list_lines(locks: Sequence[Lock]) -> Iterable[str]:
+    """The text of ``list``: a table of the locks and a count line."""
+    if not locks:
+        yield "No live locks."
+        return
+    rows = [
+        (short(lock.key), lock.task_name, lock.owner, lock.policy, f"{lock.ttl:.0f}")
+        for lock in locks
+    ]
+    yield from render_table(rows, ("DIGEST", "TASK", "HOLDER", "POLICY", "SECONDS LEFT"))
+    yield f"{len(locks)} live lock{'s' if len(locks) != 1 else ''}."
+
+
 def holder_state(app: Any, task_id: str) -> str:
     """The holder's state as the result backend reports it (``UNKNOWN`` without one)."""
     try:
@@ -177,16 +198,8 @@ def list_(ctx: click.Context, /, task: str | None, as_json: bool, **kwargs: Any)
     if as_json:
         c.obj.echo(dumps([lock_dict(lock) for lock in locks]))
         return
-    if not locks:
-        c.obj.echo("No live locks.")
-        return
-    rows = [
-        (short(lock.key), lock.task_name, lock.owner, lock.policy, f"{lock.ttl:.0f}")
-        for lock in locks
-    ]
-    for line in render_table(rows, ("DIGEST", "TASK", "HOLDER", "POLICY", "SECONDS LEFT")):
+    for line in list_lines(locks):
         c.obj.echo(line)
-    c.obj.echo(f"{len(locks)} live lock{'s' if len(locks) != 1 else ''}.")
 
 
 @dedup.command(cls=CeleryCommand)

@@ -97,7 +97,7 @@ def register_reaper(app: Celery) -> Any:
         }
     """
 
-    @app.task(name=REAP_TASK_NAME, shared=False, ignore_result=True)
+    @app.task(name=REAP_TASK_NAME, shared=False)
     def reap_locks() -> int:
         return len(reap(app))
 

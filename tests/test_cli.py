@@ -257,3 +257,20 @@ def test_real_celery_subprocess_lists_locks(
     stats = run("stats", "--json")
     assert stats.returncode == 0, stats.stderr
     assert json.loads(stats.stdout)[SYNC]["deduplicated"] == 1
+
+
+def test_reap_releases_locks_of_finished_holders(app: Celery) -> None:
+    """``reap`` frees a lock whose holder's result says SUCCESS, and keeps a pending one."""
+    finished = app.tasks[SYNC].delay(11)
+    pending = app.tasks[SYNC].delay(12)
+    # The worker died after recording success, before releasing: only the backend knows.
+    app.backend.mark_as_done(finished.id, None)
+    result = dedup("reap")
+    assert result.exit_code == 0, result.output
+    assert result.output.strip().splitlines()[-1] == "1 lock reaped."
+    assert short(finished.deduplication_key) in result.output
+    store = runtime_for(app).store
+    assert store is not None
+    assert store.get(finished.deduplication_key) is None
+    lock = store.get(pending.deduplication_key)
+    assert lock is not None and lock.owner == pending.id

@@ -72,6 +72,23 @@ def test_chain_first_step_and_worker_side_steps(app_factory: AppFactory, worker_
         chain(step.s(1), step.s()).apply_async()
 
 
+def test_chain_step_carrying_the_rest_is_published(
+    app_factory: AppFactory, worker_for: Any
+) -> None:
+    """A held middle step of a chain is published anyway, so the steps after it still run."""
+    app = app_factory("chain3")
+
+    @app.task(base=DedupTask, shared=False, unique_for=30, unique_until="expiry")
+    def step(x: int) -> int:
+        return x + 1
+
+    held = step.delay(2)
+    result = chain(step.s(1), step.s(), step.s()).apply_async()
+    worker_for(app)
+    assert result.get(timeout=10) == 4
+    assert held.get(timeout=10) == 3
+
+
 def test_link_callback_is_deduplicated_worker_side(
     app_factory: AppFactory, worker_for: Any
 ) -> None:

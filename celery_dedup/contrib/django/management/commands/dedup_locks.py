@@ -23,18 +23,15 @@ from typing import Any, cast
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from celery_dedup.api import release
-from celery_dedup.cli import FINISHED_STATES, holder_state, is_running, lock_dict, render_table
+from celery_dedup.cli import FINISHED_STATES, holder_state, is_running, list_lines, lock_dict
 from celery_dedup.exceptions import StoreUnavailable
 from celery_dedup.runtime import runtime_for
 from celery_dedup.stores.base import Lock, LockStore
+from celery_dedup.worker import short
 
 
 def _digest(key: str) -> str:
     return key.rsplit(":", 1)[-1]
-
-
-def _short(key: str) -> str:
-    return _digest(key)[:16]
 
 
 class Command(BaseCommand):  # type: ignore[misc]
@@ -120,16 +117,8 @@ class Command(BaseCommand):  # type: ignore[misc]
         if as_json:
             self.stdout.write(dumps([lock_dict(lock) for lock in locks]))
             return
-        if not locks:
-            self.stdout.write("No live locks.")
-            return
-        rows = [
-            (_short(lock.key), lock.task_name, lock.owner, lock.policy, f"{lock.ttl:.0f}")
-            for lock in locks
-        ]
-        for line in render_table(rows, ("DIGEST", "TASK", "HOLDER", "POLICY", "SECONDS LEFT")):
+        for line in list_lines(locks):
             self.stdout.write(line)
-        self.stdout.write(f"{len(locks)} live lock{'s' if len(locks) != 1 else ''}.")
 
     def do_show(self, key_or_task_id: str, as_json: bool = False, **_: Any) -> None:
         """One lock and its holder's state."""
@@ -149,16 +138,16 @@ class Command(BaseCommand):  # type: ignore[misc]
         running, state = is_running(app, lock.owner)
         if running and not force:
             raise CommandError(
-                f"lock {_short(lock.key)} is held by {lock.task_name}[{lock.owner}], which is "
+                f"lock {short(lock.key)} is held by {lock.task_name}[{lock.owner}], which is "
                 f"running ({state}); pass --force to release it anyway"
             )
         if release(lock.key, owner=lock.owner, app=app):
             self.stdout.write(self.style.SUCCESS(
-                f"released {_short(lock.key)} held by {lock.task_name}[{lock.owner}] ({state})"
+                f"released {short(lock.key)} held by {lock.task_name}[{lock.owner}] ({state})"
             ))
         else:
             self.stdout.write(
-                f"lock {_short(lock.key)} was already gone or taken by another task"
+                f"lock {short(lock.key)} was already gone or taken by another task"
             )
 
     def do_purge(
