@@ -87,9 +87,10 @@ def test_register_reaper_adds_a_periodic_task(app_factory: AppFactory, worker_fo
     def other(x: int) -> int:
         return x
 
-    throttled = job.delay(1)
+    # Parked on a queue no worker consumes: only the reaper can free these locks.
+    throttled = job.apply_async((1,), queue="parked")
     app.backend.mark_as_revoked(throttled.id, "test")
-    stuck = other.delay(1)
+    stuck = other.apply_async((1,), queue="parked")
     app.backend.mark_as_done(stuck.id, 1)
     worker_for(app)
     assert task.delay().get(timeout=10) == 1
