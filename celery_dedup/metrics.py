@@ -30,7 +30,7 @@ from typing import Any, Final
 
 from celery.signals import worker_process_shutdown, worker_shutdown
 
-from .exceptions import InvalidOptionError
+from .options import DEFAULTS, read_setting
 from .stores.base import CounterSupport, Lock
 
 __all__ = [
@@ -52,7 +52,7 @@ EVENTS: Final = ("acquired", "deduplicated", "released", "fallback", "skipped")
 FLUSH_INTERVAL_SETTING: Final = "dedup_metrics_flush_interval"
 
 #: seconds between two flushes when the setting is not set
-DEFAULT_FLUSH_INTERVAL: Final = 5.0
+DEFAULT_FLUSH_INTERVAL: Final = float(DEFAULTS[FLUSH_INTERVAL_SETTING])
 
 #: every live ``Metrics``, for the exit and fork hooks
 _INSTANCES: weakref.WeakSet[Metrics] = weakref.WeakSet()
@@ -63,12 +63,7 @@ def flush_interval(conf: Mapping[str, Any]) -> float:
 
     ``0`` flushes on every count: one more round trip per call, for tests only.
     """
-    value = conf.get(FLUSH_INTERVAL_SETTING)
-    if value is None:
-        return DEFAULT_FLUSH_INTERVAL
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1e9:
-        raise InvalidOptionError(FLUSH_INTERVAL_SETTING, value, "a number of seconds >= 0")
-    return float(value)
+    return float(read_setting(conf, FLUSH_INTERVAL_SETTING))
 
 
 class Metrics:

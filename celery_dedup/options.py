@@ -151,6 +151,13 @@ def validate_send_events(value: Any, option: str = "dedup_send_events") -> bool 
     return None if value is None else validate_bool(value, option)
 
 
+def validate_flush_interval(value: Any, option: str = "dedup_metrics_flush_interval") -> float:
+    """Seconds between metric flushes: a finite number ``>= 0`` (0 flushes every count)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1e9:
+        raise InvalidOptionError(option, value, "a number of seconds >= 0")
+    return float(value)
+
+
 #: setting name → (default, validator)
 SETTINGS: Final[Mapping[str, tuple[Any, Callable[[Any, str], Any]]]] = {
     "dedup_store": (None, validate_store),
@@ -167,6 +174,7 @@ SETTINGS: Final[Mapping[str, tuple[Any, Callable[[Any, str], Any]]]] = {
     ),
     "dedup_fallback": (Fallback.OPEN, lambda v, o: validate_choice(Fallback, v, o)),
     "dedup_send_events": (None, validate_send_events),
+    "dedup_metrics_flush_interval": (5.0, validate_flush_interval),
 }
 
 DEFAULTS: Final[Mapping[str, Any]] = {name: spec[0] for name, spec in SETTINGS.items()}

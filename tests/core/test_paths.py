@@ -145,6 +145,32 @@ def test_beat_publish_never_raises(app_factory: AppFactory) -> None:
     assert again.deduplicated is True and again.id == first.id
 
 
+def test_celery_beat_scheduler_entry(app_factory: AppFactory, worker_for: Any) -> None:
+    """Celery beat's own scheduler: a due entry whose previous run is still queued is
+    suppressed without a SchedulingError, and runs again once the holder finished."""
+    from datetime import timedelta
+
+    from celery.beat import ScheduleEntry, Scheduler
+
+    app = app_factory("beat-real")
+
+    @app.task(base=DedupTask, shared=False, name="beat.tick", unique_for=60, on_duplicate="raise")
+    def tick() -> str:
+        return "tick"
+
+    scheduler = Scheduler(app, lazy=True)
+    entry = ScheduleEntry(name="tick", task="beat.tick", schedule=timedelta(seconds=1), app=app)
+    first = scheduler.apply_async(entry, advance=False)
+    second = scheduler.apply_async(entry, advance=False)
+    assert first.deduplicated is False
+    assert second.deduplicated is True and second.id == first.id
+    worker_for(app)
+    assert first.get(timeout=10) == "tick"
+    wait_until(lambda: inspect_lock(first.deduplication_key, app=app) is None)
+    third = scheduler.apply_async(entry, advance=False)
+    assert third.deduplicated is False and third.get(timeout=10) == "tick"
+
+
 def test_deterministic_id(app_factory: AppFactory, worker_for: Any) -> None:
     """deterministic_id derives the task id from the key; a repeat is still a duplicate."""
     app = app_factory("detid")

@@ -23,6 +23,7 @@ BAD_VALUES = [
     ("CELERY_DEDUP_SEND_EVENTS", "yes", "celery_dedup.E008"),
     ("CELERY_DEDUP_STORE", "mongodb://localhost/locks", "celery_dedup.E009"),
     ("CELERY_DEDUP_STORE_OPTIONS", ["timeout"], "celery_dedup.E010"),
+    ("CELERY_DEDUP_METRICS_FLUSH_INTERVAL", -1, "celery_dedup.E011"),
 ]
 
 

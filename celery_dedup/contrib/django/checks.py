@@ -49,6 +49,7 @@ CHECK_IDS: Final[Mapping[str, str]] = {
     "dedup_default_on_duplicate": "celery_dedup.E006",
     "dedup_fallback": "celery_dedup.E007",
     "dedup_send_events": "celery_dedup.E008",
+    "dedup_metrics_flush_interval": "celery_dedup.E011",
 }
 E_UNKNOWN_SCHEME: Final = "celery_dedup.E009"
 E_STORE_OPTIONS: Final = "celery_dedup.E010"
