@@ -16,6 +16,7 @@ from typing import Any, Final, TypeVar
 
 from .exceptions import InvalidOptionError
 from .identity import Identity
+from .native import Native
 from .policy import UniqueUntil
 
 __all__ = [
@@ -175,6 +176,7 @@ SETTINGS: Final[Mapping[str, tuple[Any, Callable[[Any, str], Any]]]] = {
     "dedup_fallback": (Fallback.OPEN, lambda v, o: validate_choice(Fallback, v, o)),
     "dedup_send_events": (None, validate_send_events),
     "dedup_metrics_flush_interval": (5.0, validate_flush_interval),
+    "dedup_native": (Native.AUTO, lambda v, o: validate_choice(Native, v, o)),
 }
 
 DEFAULTS: Final[Mapping[str, Any]] = {name: spec[0] for name, spec in SETTINGS.items()}

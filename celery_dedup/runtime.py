@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from .exceptions import DeduplicationUnavailable, StoreUnavailable
 from .identity import Identity
 from .metrics import Metrics, flush_interval
+from .native import Native
 from .options import Fallback, OnDuplicate, read_setting
 from .policy import UniqueUntil
 from .signals import dedup_fallback
@@ -61,6 +62,10 @@ class AppSettings:
     default_on_duplicate: OnDuplicate
     fallback: Fallback
     send_events: bool
+    #: whether calls to a broker queue that deduplicates itself skip the store
+    native: Native = Native.AUTO
+    #: the broker URL's scheme (``sqs``, ``redis``, ``amqp``…)
+    broker_scheme: str = ""
     store_options: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -77,6 +82,8 @@ class AppSettings:
             default_on_duplicate=read_setting(conf, "dedup_default_on_duplicate"),
             fallback=read_setting(conf, "dedup_fallback"),
             send_events=send_events,
+            native=read_setting(conf, "dedup_native"),
+            broker_scheme=str(conf.get("broker_url") or "").split(";")[0].partition("://")[0],
             store_options=dict(conf.get("dedup_store_options") or {}),
         )
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, cast
 from celery import Task
 from celery.utils import uuid
 
-from . import events, worker
+from . import events, native, worker
 from .exceptions import (
     DuplicateTaskError,
     InvalidOptionError,
@@ -245,9 +245,19 @@ class DedupTask(_Task):
         if given.get("unique_for", ...) is None:
             return mark_result(publish(task_id or uuid(), NO_LOCK), None)
         call = config.resolve(given)
-        key = self.dedup_key(args, kwargs, call, options.get("queue"))
+        queue = options.get("queue")
+        key = self.dedup_key(args, kwargs, call, queue)
         if key is None:
             return mark_result(publish(task_id or uuid(), NO_LOCK), None)
+        settings = config.runtime.settings
+        queue_name = str(getattr(queue, "name", queue) or config.default_queue)
+        if native.uses_native(settings.native, settings.broker_scheme, queue_name):
+            assert call.unique_for is not None
+            native.warn_unhonoured(self.name, queue_name, call.unique_for, call.unique_until.value)
+            native.set_native_options(options, key)
+            result = mark_result(publish(task_id or deterministic_task_id(key), NO_LOCK), key)
+            result.deduplicated = None  # only the broker knows
+            return result
         if task_id is None:
             task_id = deterministic_task_id(key) if call.deterministic_id else uuid()
         assert call.unique_for is not None

@@ -24,6 +24,7 @@ BAD_VALUES = [
     ("CELERY_DEDUP_STORE", "mongodb://localhost/locks", "celery_dedup.E009"),
     ("CELERY_DEDUP_STORE_OPTIONS", ["timeout"], "celery_dedup.E010"),
     ("CELERY_DEDUP_METRICS_FLUSH_INTERVAL", -1, "celery_dedup.E011"),
+    ("CELERY_DEDUP_NATIVE", "sometimes", "celery_dedup.E012"),
 ]
 
 

@@ -50,6 +50,7 @@ CHECK_IDS: Final[Mapping[str, str]] = {
     "dedup_fallback": "celery_dedup.E007",
     "dedup_send_events": "celery_dedup.E008",
     "dedup_metrics_flush_interval": "celery_dedup.E011",
+    "dedup_native": "celery_dedup.E012",
 }
 E_UNKNOWN_SCHEME: Final = "celery_dedup.E009"
 E_STORE_OPTIONS: Final = "celery_dedup.E010"
