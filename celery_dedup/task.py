@@ -249,17 +249,43 @@ class DedupTask(_Task):
         key = self.dedup_key(args, kwargs, call, queue)
         if key is None:
             return mark_result(publish(task_id or uuid(), NO_LOCK), None)
-        settings = config.runtime.settings
         queue_name = str(getattr(queue, "name", queue) or config.default_queue)
+        settings = config.runtime.settings
         if native.uses_native(settings.native, settings.broker_scheme, queue_name):
-            assert call.unique_for is not None
-            native.warn_unhonoured(self.name, queue_name, call.unique_for, call.unique_until.value)
-            native.set_native_options(options, key)
-            result = mark_result(publish(task_id or deterministic_task_id(key), NO_LOCK), key)
-            result.deduplicated = None  # only the broker knows
-            return result
+            return self._publish_native(call, key, queue_name, task_id, options, publish)
         if task_id is None:
             task_id = deterministic_task_id(key) if call.deterministic_id else uuid()
+        return self._publish_with_lock(call, key, task_id, args, kwargs, options, publish)
+
+    def _publish_native(
+        self,
+        call: ResolvedOptions,
+        key: str,
+        queue_name: str,
+        task_id: str | None,
+        options: dict[str, Any],
+        publish: Callable[[str, LockHeader], Any],
+    ) -> Any:
+        """Let the broker drop duplicates (SQS FIFO): no store, a key-derived task id."""
+        assert call.unique_for is not None
+        native.warn_unhonoured(self.name, queue_name, call.unique_for, call.unique_until.value)
+        native.set_native_options(options, key)
+        result = mark_result(publish(task_id or deterministic_task_id(key), NO_LOCK), key)
+        result.deduplicated = None  # only the broker knows
+        return result
+
+    def _publish_with_lock(
+        self,
+        call: ResolvedOptions,
+        key: str,
+        task_id: str,
+        args: Any,
+        kwargs: Any,
+        options: dict[str, Any],
+        publish: Callable[[str, LockHeader], Any],
+    ) -> Any:
+        """Take the lock (or take it over), then publish; or report the duplicate."""
+        runtime = self.dedup_config().runtime
         assert call.unique_for is not None
         ttl = lock_ttl(call.unique_for, countdown=options.get("countdown"), eta=options.get("eta"))
         header = LockHeader(
@@ -269,18 +295,19 @@ class DedupTask(_Task):
             replace=call.on_duplicate is OnDuplicate.REPLACE,
         )
         meta = {"task_name": self.name, "policy": call.unique_until.value}
+        previous: Lock | None = None
+        holder: Lock | None = None
         try:
-            store = config.runtime.store
+            store = runtime.store
             if store is None:
-                config.runtime.fall_back(self.name, None)
+                runtime.fall_back(self.name, None)
                 return mark_result(publish(task_id, NO_LOCK), key)
             if header.replace:
                 previous = store.take_over(key, task_id, ttl, meta)
-                holder = None
             else:
                 holder = store.acquire(key, task_id, ttl, meta)
         except StoreUnavailable as exc:
-            config.runtime.fall_back(self.name, exc)
+            runtime.fall_back(self.name, exc)
             return mark_result(publish(task_id, NO_LOCK), key)
 
         if holder is not None:
@@ -290,12 +317,12 @@ class DedupTask(_Task):
                 return mark_result(publish(task_id, NO_LOCK), key)
             return self._duplicate(call, key, holder, task_id, args, kwargs, options)
 
-        config.runtime.metrics.incr(self.name, "acquired")
+        runtime.metrics.incr(self.name, "acquired")
         lock_acquired.send(
             sender=self, key=key, task_id=task_id, ttl=ttl, policy=header.until.value
         )
         result = self._publish_locked(store, key, task_id, header, publish)
-        if header.replace and previous is not None and previous.owner != task_id:
+        if previous is not None and previous.owner != task_id:
             self._revoke_replaced(key, task_id, previous)
         return mark_result(result, key)
 

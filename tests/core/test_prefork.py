@@ -12,6 +12,7 @@ import pytest
 from celery import states
 
 from celery_dedup import inspect_lock
+from celery_dedup.runtime import runtime_for
 from tests.apps import prefork_app
 from tests.fixtures._servers import stop
 from tests.fixtures.redis import RedisServer
@@ -71,6 +72,7 @@ def prefork_worker(
     finally:
         stop(proc)
         log.close()
+        runtime_for(prefork_app.app).metrics.flush()
 
 
 def test_pool_child_releases_on_success(prefork_worker: None) -> None:
