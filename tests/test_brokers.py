@@ -29,13 +29,9 @@ BrokerConf = Callable[[], dict[str, Any]]
 @pytest.fixture
 def store_db(redis_server: RedisServer) -> Iterator[RedisServer]:
     """The session Redis with this module's databases flushed."""
-    for db in (BROKER_DB, STORE_DB):
-        with redis_server.client(db) as client:
-            client.flushdb()
+    redis_server.flush(BROKER_DB, STORE_DB)
     yield redis_server
-    for db in (BROKER_DB, STORE_DB):
-        with redis_server.client(db) as client:
-            client.flushdb()
+    redis_server.flush(BROKER_DB, STORE_DB)
 
 
 @pytest.fixture(params=["redis", "rabbitmq", "filesystem"])

@@ -90,13 +90,9 @@ def apps() -> Iterator[Callable[..., Celery]]:
 @pytest.fixture
 def redis_dbs(redis_server: RedisServer) -> Iterator[RedisServer]:
     """The session Redis with the broker and backend databases of this module flushed."""
-    for db in (BROKER_DB, BACKEND_DB):
-        with redis_server.client(db) as client:
-            client.flushdb()
+    redis_server.flush(BROKER_DB, BACKEND_DB)
     yield redis_server
-    for db in (BROKER_DB, BACKEND_DB):
-        with redis_server.client(db) as client:
-            client.flushdb()
+    redis_server.flush(BROKER_DB, BACKEND_DB)
 
 
 def _declare(rabbitmq: RabbitMQServer, queue: str) -> None:

@@ -23,8 +23,7 @@ BROKER_DB, BACKEND_DB = 16, 17
 @pytest.fixture
 def flower_with_app(redis_server: RedisServer, tmp_path: Path) -> Iterator[FlowerServer]:
     """``celery -A tests.apps.cli_app flower``: a Flower that has the DedupTask registered."""
-    for db in (BROKER_DB, BACKEND_DB):
-        redis_server.client(db).flushdb()
+    redis_server.flush(BROKER_DB, BACKEND_DB)
     port = free_port()
     env = {
         **flower_env(),

@@ -34,8 +34,7 @@ def make_app(redis_server: RedisServer, name: str = "core", **conf: Any) -> Cele
 @pytest.fixture
 def app_factory(redis_server: RedisServer) -> Iterator[AppFactory]:
     """Build apps on flushed Redis databases; close them afterwards."""
-    for db in (3, 4):
-        redis_server.client(db).flushdb()
+    redis_server.flush(3, 4)
     apps: list[Celery] = []
 
     def factory(name: str = "core", **conf: Any) -> Celery:

@@ -27,8 +27,7 @@ def prefork_worker(
     redis_server: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[None]:
     """``celery worker -P prefork -c 1`` on the test Redis, as a subprocess."""
-    for db in (12, 13):
-        redis_server.client(db).flushdb()
+    redis_server.flush(12, 13)
     env = {
         **os.environ,
         "TEST_BROKER_URL": redis_server.url(12),

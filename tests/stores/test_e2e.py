@@ -96,10 +96,7 @@ class E2E:
 @pytest.fixture
 def e2e(redis_server: RedisServer, store_case: StoreCase) -> Iterator[E2E]:
     """An app whose ``dedup_store`` is the store under test, with a running worker."""
-    for db in (BROKER_DB, BACKEND_DB):
-        client = redis_server.client(db)
-        client.flushdb()
-        client.close()
+    redis_server.flush(BROKER_DB, BACKEND_DB)
     env = E2E(redis_server, store_case.url, queue=f"e2e-{store_case.store.name}")
     try:
         with start_worker(
