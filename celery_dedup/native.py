@@ -18,7 +18,14 @@ import logging
 from enum import Enum
 from typing import Any, Final
 
-__all__ = ["SQS_WINDOW", "Native", "native_property", "uses_native"]
+__all__ = [
+    "SQS_WINDOW",
+    "Native",
+    "native_property",
+    "set_native_options",
+    "uses_native",
+    "warn_unhonoured",
+]
 
 logger = logging.getLogger("celery_dedup")
 
@@ -43,7 +50,7 @@ class Native(str, Enum):
 
 def uses_native(mode: Native, scheme: str, queue: str) -> bool:
     """Whether a call to ``queue`` on a ``scheme`` broker is deduplicated natively."""
-    return mode is Native.AUTO and scheme in ("sqs", "sqs+https") and queue.endswith(".fifo")
+    return mode is Native.AUTO and scheme.lower() == "sqs" and queue.endswith(".fifo")
 
 
 def native_property(key: str) -> str:
