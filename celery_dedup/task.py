@@ -157,10 +157,16 @@ class DedupTask(_Task):
         """This task's resolved options (task attributes over app settings), cached."""
         config = self._dedup_config
         if config is None:
-            config = self._dedup_config = self._build_config()
+            config = self._dedup_config = self.build_dedup_config()
         return config
 
-    def _build_config(self) -> TaskConfig:
+    def build_dedup_config(self) -> TaskConfig:
+        """Resolve task attributes over app settings (called once per task).
+
+        Override to derive options from elsewhere, e.g. another library's
+        settings (the ``celery_dedup.compat`` shims do); return the result of
+        ``dataclasses.replace(super().build_dedup_config(), ...)``.
+        """
         runtime = runtime_for(self.app)
         settings = runtime.settings
         unique_for = validate_unique_for(self.unique_for)
