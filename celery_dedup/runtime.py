@@ -173,6 +173,12 @@ def runtime_for(app: Celery) -> Runtime:
 
 
 def reset_runtime(app: Celery) -> None:
-    """Forget ``app``'s resolved settings and store (after changing ``app.conf``)."""
+    """Forget ``app``'s resolved settings, store and its tasks' resolved options.
+
+    Call it after changing ``dedup_*`` settings of an app already in use.
+    """
     if hasattr(app, _ATTR):
         delattr(app, _ATTR)
+    for task in app.tasks.values():
+        if "_dedup_config" in vars(task):
+            vars(task)["_dedup_config"] = None

@@ -132,3 +132,22 @@ def test_unique_for_accepts_timedelta_and_zero_means_bypass() -> None:
     assert dedup_key_for(job, (1,), unique_for=0) is None
     assert job.apply_async((1,), unique_for=None).deduplicated is False
     assert job.apply_async((1,), unique_for=None).deduplication_key is None
+
+
+def test_reset_runtime_rereads_settings() -> None:
+    """reset_runtime makes an app in use pick up changed dedup_* settings and task options."""
+    from celery_dedup.runtime import reset_runtime
+
+    app = Celery("reset", set_as_current=False)
+    app.conf.update(dedup_store="memory://reset", dedup_default_ttl=100)
+
+    @app.task(base=DedupTask, shared=False)
+    def job(x: int) -> int:
+        return x
+
+    assert job.dedup_config().unique_for == 100
+    app.conf.dedup_default_ttl = 200
+    assert job.dedup_config().unique_for == 100  # resolved once, not per call
+    reset_runtime(app)
+    assert job.dedup_config().unique_for == 200
+    assert runtime_for(app).settings.default_ttl == 200

@@ -36,24 +36,15 @@ def celery_app() -> Iterator[Any]:
     from example_project.celery import app
 
     reset_runtime(app)
-    _reset_task_configs(app)
     _purge_queue(app)
     yield app
     reset_runtime(app)
-    _reset_task_configs(app)
 
 
 def _purge_queue(app: Any) -> None:
     """Drop messages earlier tests published without a worker (``memory://`` is per process)."""
     with app.connection_for_write() as conn:
         conn.default_channel.queue_purge(app.conf.task_default_queue)
-
-
-def _reset_task_configs(app: Any) -> None:
-    """Tasks cache their resolved options; forget them when settings change."""
-    for task in app.tasks.values():
-        if "_dedup_config" in vars(task):
-            task._dedup_config = None
 
 
 @pytest.fixture
