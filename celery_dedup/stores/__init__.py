@@ -47,9 +47,9 @@ ALIASES: dict[str, tuple[str, str]] = {
     "rediss+cluster": ("celery_dedup.stores.redis_cluster:RedisClusterStore", "redis"),
     "db": ("celery_dedup.stores.sql:SQLStore", "sql"),
     "django-db": ("celery_dedup.stores.django:DjangoStore", "django"),
-    "django-cache": ("celery_dedup.stores.cache:DjangoCacheStore", "django"),
-    "cache": ("celery_dedup.stores.cache:MemcachedStore", "memcached"),
-    "memcached": ("celery_dedup.stores.cache:MemcachedStore", "memcached"),
+    "django-cache": ("celery_dedup.stores.django_cache:DjangoCacheStore", "django"),
+    "cache": ("celery_dedup.stores.memcached:MemcachedStore", "memcached"),
+    "memcached": ("celery_dedup.stores.memcached:MemcachedStore", "memcached"),
     "memory": ("celery_dedup.stores.memory:MemoryStore", ""),
 }
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from celery_dedup.exceptions import ImproperlyConfigured, StoreUnavailable
+from celery_dedup.exceptions import ImproperlyConfigured, ScanNotSupported, StoreUnavailable
 from celery_dedup.stores import store_from_url
-from celery_dedup.stores.cache import MemcachedStore, ScanNotSupported, expiry_for, parse_servers
+from celery_dedup.stores.memcached import MemcachedStore, expiry_for, parse_servers
 from tests.fixtures._servers import free_port, running
 from tests.fixtures.memcached import MemcachedServer, memcached_argv
 from tests.fixtures.redis import RedisServer
@@ -271,12 +271,13 @@ def test_url_parsing() -> None:
 
 
 def test_store_modules_import_no_driver() -> None:
-    """Importing the cache store module loads neither pymemcache nor Django's settings or caches.
+    """Importing the cache store modules loads neither pymemcache nor Django's settings or caches.
 
     (kombu itself imports ``django.utils.functional`` when Django is installed.)
     """
     code = (
-        "import sys, celery_dedup, celery_dedup.stores.cache, celery_dedup.stores.redis_cluster; "
+        "import sys, celery_dedup, celery_dedup.stores.memcached, "
+        "celery_dedup.stores.django_cache, celery_dedup.stores.redis_cluster; "
         "print(sorted(m for m in ('pymemcache', 'django.conf', 'django.core.cache') "
         "if m in sys.modules))"
     )
@@ -300,7 +301,7 @@ DJANGO_SCRIPT = textwrap.dedent(
     })
     django.setup()
     from celery_dedup.stores import store_from_url
-    from celery_dedup.stores.cache import ScanNotSupported
+    from celery_dedup.exceptions import ScanNotSupported
     meta = {"task_name": "t", "policy": "success"}
     out = {}
     for url in ("django-cache", "django-cache://redis", "django-cache://loc"):
