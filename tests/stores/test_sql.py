@@ -23,7 +23,7 @@ from sqlalchemy import event, func, inspect, select
 
 from celery_dedup import ImproperlyConfigured, StoreUnavailable
 from celery_dedup.runtime import runtime_for
-from celery_dedup.stores import derive_store_url, sql, store_from_url
+from celery_dedup.stores import derive_store_url, sql, sql_dialects, store_from_url
 from celery_dedup.stores.sql import SQLStore, lock_table
 from tests.fixtures._servers import free_port
 from tests.fixtures._store_case import StoreCase
@@ -568,11 +568,11 @@ def test_unknown_dialect_is_improperly_configured() -> None:
 @pytest.fixture
 def store_case(mysql_server: MySQLServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[StoreCase]:
     """MariaDB through the MySQL code path (upsert, then read); forked children inherit it."""
-    monkeypatch.setattr(sql, "_MariaDB", sql._MySQL)
+    monkeypatch.setattr(sql_dialects, "_MariaDB", sql_dialects._MySQL)
     for case in sql_case(f"db+{mysql_server.url('pymysql')}"):
         assert isinstance(case.store, SQLStore)
         case.store.create_tables()
-        assert type(case.store._dialect) is sql._MySQL
+        assert type(case.store._dialect) is sql_dialects._MySQL
         yield case
 
 
