@@ -34,8 +34,8 @@ SQS_WINDOW: Final = 300.0
 
 W_WINDOW = (
     "celery-dedup: %s goes to SQS FIFO queue %r, which deduplicates for a fixed %.0f s; "
-    "unique_for=%.0f and unique_until=%r cannot be honoured there (dedup_native='never' "
-    "uses the lock store instead)"
+    "unique_for=%.0f, unique_until=%r and on_duplicate=%r cannot be honoured there "
+    "(dedup_native='never' uses the lock store instead)"
 )
 
 
@@ -61,14 +61,18 @@ def native_property(key: str) -> str:
 _warned: set[tuple[str, str]] = set()
 
 
-def warn_unhonoured(task_name: str, queue: str, unique_for: float, unique_until: str) -> None:
+def warn_unhonoured(
+    task_name: str, queue: str, unique_for: float, unique_until: str, on_duplicate: str
+) -> None:
     """Warn once per task and queue when the options ask more than the fixed window."""
-    if unique_for == SQS_WINDOW and unique_until == "expiry":
+    if unique_for == SQS_WINDOW and unique_until == "expiry" and on_duplicate == "existing":
         return
     if (task_name, queue) in _warned:
         return
     _warned.add((task_name, queue))
-    logger.warning(W_WINDOW, task_name, queue, SQS_WINDOW, unique_for, unique_until)
+    logger.warning(
+        W_WINDOW, task_name, queue, SQS_WINDOW, unique_for, unique_until, on_duplicate
+    )
 
 
 def set_native_options(options: dict[str, Any], key: str) -> None:

@@ -274,7 +274,13 @@ class DedupTask(_Task):
     ) -> Any:
         """Let the broker drop duplicates (SQS FIFO): no store, a key-derived task id."""
         assert call.unique_for is not None
-        native.warn_unhonoured(self.name, queue_name, call.unique_for, call.unique_until.value)
+        native.warn_unhonoured(
+            self.name,
+            queue_name,
+            call.unique_for,
+            call.unique_until.value,
+            call.on_duplicate.value,
+        )
         native.set_native_options(options, key)
         result = mark_result(publish(task_id or deterministic_task_id(key), NO_LOCK), key)
         result.deduplicated = None  # only the broker knows
