@@ -146,6 +146,10 @@ class DedupTask(_Task):
         for name, validate in _ATTRIBUTES.items():
             if name in cls.__dict__:
                 validate(cls.__dict__[name], name)
+        if cls.__dict__.get("unique_on") is not None and "run" in cls.__dict__:
+            # Unknown parameter names fail at definition, not at the first call.
+            name = str(cls.__dict__.get("name") or cls.__qualname__)
+            ArgumentBinder(cls.run, name, _validate_unique_on(cls.unique_on, "unique_on"))
         key_callable = cls.__dict__.get("deduplication_key")
         if key_callable is not None and not isinstance(key_callable, staticmethod):
             # A function stored on the class would become a bound method.
