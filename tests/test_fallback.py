@@ -6,6 +6,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -95,14 +96,16 @@ def redis_dbs(redis_server: RedisServer) -> Iterator[RedisServer]:
     redis_server.flush(BROKER_DB, BACKEND_DB)
 
 
-def _declare(rabbitmq: RabbitMQServer, queue: str) -> None:
+@contextmanager
+def declared(rabbitmq: RabbitMQServer, queue: str) -> Iterator[str]:
+    """Declare ``queue`` on the test RabbitMQ for the block, then delete it."""
     with Connection(rabbitmq.url) as conn:
         Queue(queue).bind(conn.default_channel).declare()
-
-
-def _delete(rabbitmq: RabbitMQServer, queue: str) -> None:
-    with Connection(rabbitmq.url) as conn:
-        conn.default_channel.queue_delete(queue)
+    try:
+        yield queue
+    finally:
+        with Connection(rabbitmq.url) as conn:
+            conn.default_channel.queue_delete(queue)
 
 
 def test_no_store_open_publishes_every_call_and_warns_once(
@@ -118,9 +121,7 @@ def test_no_store_open_publishes_every_call_and_warns_once(
     def job(x: int) -> int:
         return x
 
-    queue = app.conf.task_default_queue
-    _declare(rabbitmq_server, queue)
-    try:
+    with declared(rabbitmq_server, app.conf.task_default_queue) as queue:
         results = [job.delay(1) for _ in range(3)]
         assert len({r.id for r in results}) == 3
         assert not any(r.deduplicated for r in results)
@@ -128,8 +129,6 @@ def test_no_store_open_publishes_every_call_and_warns_once(
         assert len(dedup_log.warnings()) == 1
         assert "no lock store can be derived" in dedup_log.warnings()[0]
         assert [(f["reason"], f["action"]) for f in fallbacks] == [("no_store", "open")] * 3
-    finally:
-        _delete(rabbitmq_server, queue)
 
 
 def test_no_store_closed_raises_and_publishes_nothing(
@@ -144,9 +143,7 @@ def test_no_store_closed_raises_and_publishes_nothing(
     def job(x: int) -> int:
         return x
 
-    queue = app.conf.task_default_queue
-    _declare(rabbitmq_server, queue)
-    try:
+    with declared(rabbitmq_server, app.conf.task_default_queue) as queue:
         with pytest.raises(DeduplicationUnavailable) as info:
             job.delay(1)
         assert isinstance(info.value, RuntimeError)
@@ -156,8 +153,6 @@ def test_no_store_closed_raises_and_publishes_nothing(
         job.apply_async((1,), unique_for=None)
         assert rabbitmq_server.queue_length(queue) == 1
         assert [(f["reason"], f["action"]) for f in fallbacks] == [("no_store", "closed")]
-    finally:
-        _delete(rabbitmq_server, queue)
 
 
 @pytest.mark.parametrize("mode", ["open", "closed"])

@@ -106,6 +106,16 @@ def published() -> Iterator[list[tuple[Any, Any]]]:
     before_task_publish.disconnect(receiver)
 
 
+def sync_task(app: Celery, **attrs: Any) -> Any:
+    """The task most tests send: 5-minute throttle, exactly what SQS FIFO honours."""
+
+    @app.task(base=DedupTask, shared=False, unique_for=300, unique_until="expiry", **attrs)
+    def sync(user_id: int) -> int:
+        return user_id
+
+    return sync
+
+
 def test_identical_calls_publish_one_message_with_the_key_digest(
     make_app: Callable[..., Celery],
     sqs_server: SQSServer,
@@ -116,9 +126,7 @@ def test_identical_calls_publish_one_message_with_the_key_digest(
     queue = _name("orders") + ".fifo"
     app = make_app(dedup_store=url, task_default_queue=queue)
 
-    @app.task(base=DedupTask, shared=False, unique_for=300, unique_until="expiry")
-    def sync(user_id: int) -> int:
-        return user_id
+    sync = sync_task(app)
 
     first = sync.delay(7)
     second = sync.delay(7)
@@ -144,9 +152,7 @@ def test_native_calls_never_contact_the_store(
     fifo, plain = _name("closed") + ".fifo", _name("closed-plain")
     app = make_app(dedup_store=dead_store, dedup_fallback="closed", task_default_queue=fifo)
 
-    @app.task(base=DedupTask, shared=False, unique_for=300, unique_until="expiry")
-    def sync(user_id: int) -> int:
-        return user_id
+    sync = sync_task(app)
 
     first = sync.delay(1)
     second = sync.delay(1)
@@ -169,9 +175,7 @@ def test_different_arguments_publish_two_messages(
     queue = _name("args") + ".fifo"
     app = make_app(dedup_store=url, task_default_queue=queue)
 
-    @app.task(base=DedupTask, shared=False, unique_for=300, unique_until="expiry")
-    def sync(user_id: int) -> int:
-        return user_id
+    sync = sync_task(app)
 
     a = sync.delay(1)
     b = sync.delay(2)
@@ -192,9 +196,7 @@ def test_task_queue_attribute_selects_native(
     fifo, default = _name("own") + ".fifo", _name("default")
     app = make_app(dedup_store=url, task_default_queue=default)
 
-    @app.task(base=DedupTask, shared=False, queue=fifo, unique_for=300, unique_until="expiry")
-    def sync(user_id: int) -> int:
-        return user_id
+    sync = sync_task(app, queue=fifo)
 
     first = sync.delay(3)
     second = sync.delay(3)
@@ -215,9 +217,7 @@ def test_standard_queue_on_the_same_broker_uses_the_store(
     fifo, plain = _name("mixed") + ".fifo", _name("mixed-plain")
     app = make_app(dedup_store=url, task_default_queue=fifo)
 
-    @app.task(base=DedupTask, shared=False, unique_for=300, unique_until="expiry")
-    def sync(user_id: int) -> int:
-        return user_id
+    sync = sync_task(app)
 
     first = sync.apply_async((5,), queue=plain)
     second = sync.apply_async((5,), queue=plain)
@@ -241,9 +241,7 @@ def test_native_never_uses_the_store_on_fifo(
     queue = _name("never") + ".fifo"
     app = make_app(dedup_store=url, task_default_queue=queue, dedup_native="never")
 
-    @app.task(base=DedupTask, shared=False, unique_for=300, unique_until="expiry")
-    def sync(user_id: int) -> int:
-        return user_id
+    sync = sync_task(app)
 
     first = sync.delay(9)
     second = sync.delay(9)
