@@ -36,7 +36,7 @@ from .signals import (
     task_deduplicated,
     task_skipped,
 )
-from .stores.base import Lock
+from .stores.base import Lock, RevokeOutcome
 from .task import DedupTask
 
 __version__ = "0.1.0"
@@ -55,6 +55,7 @@ __all__ = [
     "Lock",
     "MissingDeduplicationKey",
     "OnDuplicate",
+    "RevokeOutcome",
     "ScanNotSupported",
     "StoreUnavailable",
     "UniqueUntil",

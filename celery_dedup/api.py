@@ -8,10 +8,11 @@ from typing import TYPE_CHECKING, Any
 from celery import current_app
 
 from .exceptions import DedupError
+from .identity import deterministic_task_id
 from .options import pop_call_options
 from .runtime import runtime_for
 from .signals import lock_released
-from .stores.base import Lock, LockStore
+from .stores.base import Lock, LockStore, RevokeOutcome
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -65,29 +66,27 @@ def release(
 ) -> bool:
     """Release a lock, owner-checked. Returns whether a lock was deleted.
 
-    ``target`` is a result returned by ``apply_async`` (its id is the owner)
-    or a key. With a bare key, pass ``owner=`` or ``force=True`` (release
-    whoever holds it now; still a compare-and-delete on that holder).
+    ``target`` is a result returned by ``apply_async`` (the lock is released
+    only while that task still holds it) or a key. With a bare key, pass
+    ``owner=`` (the holder's task id or owner token) or ``force=True``
+    (release whoever holds it now; still a compare-and-delete on that
+    holder's token, so a newer holder is never freed by a stale call).
     """
     app, store = _store(app)
     if isinstance(target, str):
-        key = target
-        if owner is None:
-            if not force:
-                raise ValueError("release(key) needs owner= or force=True")
-            holder = store.get(key)
-            if holder is None:
-                return False
-            owner = holder.owner
-    else:
-        found = getattr(target, "deduplication_key", None) or _key_of_owner(store, app, target.id)
-        if found is None:
+        holder = store.get(target)
+        if owner is None and not force:
+            raise ValueError("release(key) needs owner= or force=True")
+        if holder is None or (owner is not None and owner not in (holder.owner, holder.task_id)):
             return False
-        key, owner = found, owner or target.id
-    released = store.release(key, owner)
+    else:
+        holder = _lock_of(store, app, target.id, getattr(target, "deduplication_key", None))
+        if holder is None:
+            return False
+    released = store.release(holder.key, holder.owner)
     if released:
-        _count_release(app, key)
-        lock_released.send(sender=None, key=key, task_id=owner, reason="manual")
+        _count_release(app, holder.key)
+        lock_released.send(sender=None, key=holder.key, task_id=holder.task_id, reason="manual")
     return released
 
 
@@ -98,33 +97,54 @@ def revoke(
     signal: str | None = None,
     key: str | None = None,
     app: Celery | None = None,
-) -> bool:
-    """Revoke a task through ``app.control`` and release its lock at once.
+) -> RevokeOutcome:
+    """Revoke a task through its lock's owner token (and ``app.control``).
 
-    A revoked task still in the broker (or waiting for its ETA) would only
-    release its lock when a worker reaches it; this releases it now,
-    owner-checked, so new calls are not blocked. Returns whether a lock was
-    released.
+    The task's owner token is marked revoked in the store, so its message
+    never runs its body after this returns, even if the revoke broadcast is
+    lost or every worker restarts. What happens to the lock is returned:
+
+    - ``RevokeOutcome.RELEASED``: the message had not started; the lock is
+      free at once for a new call;
+    - ``RevokeOutcome.RUNNING``: the task is running and keeps its lock
+      until it ends (or is terminated, with ``terminate=True``);
+    - ``RevokeOutcome.NOT_HELD``: the task holds no lock (finished, expired,
+      or never locked).
+
+    Revoking one run never affects a later run of the same key, deterministic
+    ids included: those are never revoked by id (Celery would discard every
+    later message reusing it); ``terminate=True`` reaches them through the
+    ``dedup_terminate`` control command, matched on the owner token.
     """
     task_id = result if isinstance(result, str) else result.id
     app = app or getattr(result, "app", None) or current_app
-    app.control.revoke(task_id, terminate=terminate, signal=signal or "SIGTERM")
+    app, store = _store(app)
     key = key or getattr(result, "deduplication_key", None)
-    _, store = _store(app)
-    key = key or _key_of_owner(store, app, task_id)
-    if key is None:
-        return False
-    released = store.release(key, task_id)
-    if released:
-        _count_release(app, key)
-        lock_released.send(sender=None, key=key, task_id=task_id, reason="revoked")
-    return released
+    lock = _lock_of(store, app, task_id, key)
+    outcome = RevokeOutcome.NOT_HELD
+    if lock is not None:
+        revoked_ttl = max(lock.ttl, runtime_for(app).settings.revoked_ttl)
+        outcome = store.revoke(lock.key, lock.owner, revoked_ttl)
+        key = lock.key
+    if key is None or task_id != deterministic_task_id(key):
+        app.control.revoke(task_id, terminate=terminate, signal=signal or "SIGTERM")
+    elif terminate and lock is not None:
+        app.control.broadcast(
+            "dedup_terminate", arguments={"token": lock.owner, "signal": signal or "SIGTERM"}
+        )
+    if outcome is RevokeOutcome.RELEASED and lock is not None:
+        _count_release(app, lock.key)
+        lock_released.send(sender=None, key=lock.key, task_id=task_id, reason="revoked")
+    return outcome
 
 
-def _key_of_owner(store: LockStore, app: Celery, task_id: str) -> str | None:
-    """Find the key a task id holds by scanning (slow path: prefer passing the key)."""
+def _lock_of(store: LockStore, app: Celery, task_id: str, key: str | None) -> Lock | None:
+    """The lock ``task_id`` holds: at ``key`` if known, else found by scanning (slow)."""
+    if key is not None:
+        lock = store.get(key)
+        return lock if lock is not None and lock.task_id == task_id else None
     prefix = runtime_for(app).settings.key_prefix + ":"
-    return next((lock.key for lock in store.scan(prefix) if lock.owner == task_id), None)
+    return next((lock for lock in store.scan(prefix) if lock.task_id == task_id), None)
 
 
 def _count_release(app: Celery, key: str) -> None:

@@ -11,6 +11,7 @@ from celery.canvas import Signature
 from celery.result import GroupResult
 
 from .exceptions import DuplicateTaskError, InvalidOptionError, StoreUnavailable
+from .header import new_token
 from .identity import caller_key_material, lock_key
 from .options import OnDuplicate, validate_choice, validate_key, validate_positive_seconds
 from .policy import UniqueUntil
@@ -58,15 +59,21 @@ def enqueue_many(
         raise ValueError("enqueue_many does not support on_duplicate='replace'")
     key = lock_key(runtime.settings.key_prefix, BATCH_TASK_NAME, caller_key_material(key_text))
     batch = group(sigs, app=app)
-    group_id = str(cast(GroupResult, batch.freeze()).id)
+    frozen = cast(GroupResult, batch.freeze())
+    group_id = str(frozen.id)
+    owner = new_token()
     store = runtime.store
     holder = None
     if store is None:
         runtime.fall_back(BATCH_TASK_NAME, None)
     else:
-        meta = {"task_name": BATCH_TASK_NAME, "policy": UniqueUntil.EXPIRY.value}
+        meta = {
+            "task_name": BATCH_TASK_NAME,
+            "policy": UniqueUntil.EXPIRY.value,
+            "task_id": group_id,
+        }
         try:
-            holder = store.acquire(key, group_id, ttl, meta)
+            holder = store.acquire(key, owner, ttl, meta)
         except StoreUnavailable as exc:
             runtime.fall_back(BATCH_TASK_NAME, exc)
             store = None
@@ -74,7 +81,7 @@ def enqueue_many(
         task_deduplicated.send(
             sender=None,
             key=key,
-            existing_task_id=holder.owner,
+            existing_task_id=holder.task_id,
             duplicate_id=group_id,
             args=None,
             kwargs=None,
@@ -82,18 +89,19 @@ def enqueue_many(
         )
         if mode is OnDuplicate.RAISE:
             raise DuplicateTaskError(
-                task_name=BATCH_TASK_NAME, key=key, existing_task_id=holder.owner, ttl=holder.ttl
+                task_name=BATCH_TASK_NAME, key=key, existing_task_id=holder.task_id, ttl=holder.ttl
             )
-        return _mark(_restore(app, holder.owner), deduplicated=True, key=key)
+        return _mark(_restore(app, holder.task_id), deduplicated=True, key=key)
     if store is not None:
         lock_acquired.send(sender=None, key=key, task_id=group_id, ttl=ttl, policy="expiry")
+    # Saved before publishing: a duplicate made meanwhile restores the real members.
+    _save(frozen)
     try:
         result = cast(GroupResult, batch.apply_async())
     except BaseException:
         if store is not None:
-            store.release(key, group_id)
+            store.release(key, owner)
         raise
-    _save(result)
     return _mark(result, deduplicated=False, key=key)
 
 

@@ -96,7 +96,7 @@ class _Context:
         locks = self.scan()
         matches = [lock for lock in locks if _digest(lock.key).startswith(key_or_id.lower())]
         if not matches and by_owner:
-            matches = [lock for lock in locks if lock.owner == key_or_id]
+            matches = [lock for lock in locks if lock.task_id == key_or_id]
         if not matches:
             what = "key, digest or holder task id" if by_owner else "key or digest"
             raise click.ClickException(f"no live lock matches the {what} {key_or_id!r}")
@@ -116,7 +116,7 @@ def lock_dict(lock: Lock, state: str | None = None) -> dict[str, Any]:
         "key": lock.key,
         "digest": _digest(lock.key),
         "task": lock.task_name,
-        "holder": lock.owner,
+        "holder": lock.task_id,
         "policy": lock.policy,
         "acquired_at": lock.acquired_at,
         "expires_at": lock.expires_at,
@@ -140,7 +140,7 @@ def list_lines(locks: Sequence[Lock]) -> Iterable[str]:
         yield "No live locks."
         return
     rows = [
-        (short(lock.key), lock.task_name, lock.owner, lock.policy, f"{lock.ttl:.0f}")
+        (short(lock.key), lock.task_name, lock.task_id, lock.policy, f"{lock.ttl:.0f}")
         for lock in locks
     ]
     yield from render_table(rows, ("DIGEST", "TASK", "HOLDER", "POLICY", "SECONDS LEFT"))
@@ -211,7 +211,7 @@ def show(ctx: click.Context, /, key_or_task_id: str, as_json: bool, **kwargs: An
     """Show one lock, by key, digest prefix or holder task id."""
     c = _Context(ctx)
     lock = c.find(key_or_task_id, by_owner=True)
-    data = lock_dict(lock, holder_state(c.app, lock.owner))
+    data = lock_dict(lock, holder_state(c.app, lock.task_id))
     if as_json:
         c.obj.echo(dumps(data))
         return
@@ -228,15 +228,15 @@ def release(ctx: click.Context, /, key: str, force: bool, **kwargs: Any) -> None
     """Release one lock (a running holder's lock needs --force)."""
     c = _Context(ctx)
     lock = c.find(key)
-    running, state = is_running(c.app, lock.owner)
+    running, state = is_running(c.app, lock.task_id)
     if running and not force:
         raise click.ClickException(
-            f"lock {short(lock.key)} is held by {lock.task_name}[{lock.owner}], which is "
+            f"lock {short(lock.key)} is held by {lock.task_name}[{lock.task_id}], which is "
             f"running ({state}); pass --force to release it anyway"
         )
     if release_lock(lock.key, owner=lock.owner, app=c.app):
         c.obj.echo(f"{c.obj.OK} released {short(lock.key)} held by "
-                   f"{lock.task_name}[{lock.owner}] ({state})")
+                   f"{lock.task_name}[{lock.task_id}] ({state})")
     else:
         c.obj.echo(f"lock {short(lock.key)} was already gone or taken by another task")
 
@@ -256,7 +256,7 @@ def purge(
     c = _Context(ctx)
     locks = c.scan(task)
     if expired:
-        locks = [lock for lock in locks if holder_state(c.app, lock.owner) in FINISHED_STATES]
+        locks = [lock for lock in locks if holder_state(c.app, lock.task_id) in FINISHED_STATES]
     if not locks:
         c.obj.echo("No locks to purge.")
         return
@@ -317,5 +317,5 @@ def reap(ctx: click.Context, /, task: str | None, **kwargs: Any) -> None:
     except StoreUnavailable as exc:
         raise click.ClickException(str(exc)) from exc
     for lock in released:
-        c.obj.echo(f"{c.obj.OK} reaped {short(lock.key)} held by {lock.task_name}[{lock.owner}]")
+        c.obj.echo(f"{c.obj.OK} reaped {short(lock.key)} held by {lock.task_name}[{lock.task_id}]")
     c.obj.echo(f"{len(released)} lock{'s' if len(released) != 1 else ''} reaped.")

@@ -7,13 +7,14 @@ one without a key (``{"v": 1}``) was published without a lock on purpose.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
 from .policy import UniqueUntil
 
-__all__ = ["HEADER", "LockHeader", "read_header"]
+__all__ = ["HEADER", "LockHeader", "new_token", "read_header"]
 
 HEADER: Final = "celery_dedup"
 _VERSION: Final = 1
@@ -31,6 +32,13 @@ class LockHeader:
     unique_for: float = 0.0
     #: whether a newer call may take the lock over (``on_duplicate="replace"``)
     replace: bool = False
+    #: the owner token of this publish's lock (``None`` on 0.1.0 messages,
+    #: whose owner was the task id)
+    token: str | None = None
+
+    def owner(self, task_id: str) -> str:
+        """The owner the store knows this message's lock by."""
+        return self.token or task_id
 
     def encode(self) -> dict[str, Any]:
         """The header value, JSON-safe."""
@@ -42,6 +50,7 @@ class LockHeader:
             "until": self.until.value,
             "for": self.unique_for,
             "replace": self.replace,
+            "tok": self.token,
         }
 
     @classmethod
@@ -55,10 +64,16 @@ class LockHeader:
             until=UniqueUntil(raw.get("until", UniqueUntil.SUCCESS.value)),
             unique_for=float(raw.get("for") or 0.0),
             replace=bool(raw.get("replace")),
+            token=str(raw["tok"]) if raw.get("tok") else None,
         )
 
 
 NO_LOCK: Final = LockHeader()
+
+
+def new_token() -> str:
+    """A fresh owner token: 128 random bits, never derived from anything a caller sees."""
+    return secrets.token_hex(16)
 
 
 def read_header(headers: Mapping[str, Any] | None) -> LockHeader | None:

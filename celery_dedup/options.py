@@ -177,6 +177,9 @@ SETTINGS: Final[Mapping[str, tuple[Any, Callable[[Any, str], Any]]]] = {
     "dedup_send_events": (None, validate_send_events),
     "dedup_metrics_flush_interval": (5.0, validate_flush_interval),
     "dedup_native": (Native.AUTO, lambda v, o: validate_choice(Native, v, o)),
+    # How long a revoked owner stays refused (at least its lock's TTL): a
+    # revoked message reaching a worker later than this runs if the key is free.
+    "dedup_revoked_ttl": (86400, validate_positive_seconds),
 }
 
 DEFAULTS: Final[Mapping[str, Any]] = {name: spec[0] for name, spec in SETTINGS.items()}

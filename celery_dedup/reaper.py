@@ -6,6 +6,12 @@ would. The reaper asks the result backend and releases, owner-checked,
 every lock whose holder finished in a state its policy releases on:
 ``SUCCESS`` for ``success``/``finish``, ``FAILURE`` for ``finish``,
 ``REVOKED`` for everything but ``expiry``.
+
+A result belongs to a task id, not to a run: with ``deterministic_id`` every
+run of a key shares one id, so a stored SUCCESS may be an earlier run's.
+Locks held under a deterministic id are therefore never reaped (their TTL
+frees them); every other lock is reaped only for a result stored after the
+lock was taken, and always through its owner token.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery import states
 
+from .identity import deterministic_task_id
 from .policy import UniqueUntil
 from .runtime import runtime_for
 from .signals import lock_released
@@ -56,7 +63,7 @@ def _finished_after_acquire(date_done: Any, lock: Lock) -> bool:
         return False
     if date_done.tzinfo is None:
         date_done = date_done.replace(tzinfo=timezone.utc)
-    return bool(date_done.timestamp() >= lock.acquired_at - 1.0)
+    return bool(date_done.timestamp() >= lock.acquired_at)
 
 
 def reap(app: Celery, *, task_name: str | None = None) -> list[Lock]:
@@ -71,17 +78,19 @@ def reap(app: Celery, *, task_name: str | None = None) -> list[Lock]:
     prefix = f"{runtime.settings.key_prefix}:{task_name + ':' if task_name else ''}"
     released: list[Lock] = []
     for lock in list(store.scan(prefix)):
-        result = app.AsyncResult(lock.owner)
+        if lock.task_id == deterministic_task_id(lock.key):
+            continue
+        result = app.AsyncResult(lock.task_id)
         state = result.state
         if not should_release(lock, state) or not _finished_after_acquire(result.date_done, lock):
             continue
         if store.release(lock.key, lock.owner):
             released.append(lock)
             runtime.metrics.incr(lock.task_name, "released")
-            lock_released.send(sender=None, key=lock.key, task_id=lock.owner, reason="reaped")
+            lock_released.send(sender=None, key=lock.key, task_id=lock.task_id, reason="reaped")
             logger.info(
                 "celery-dedup: reaped lock %s of %s[%s] (%s)",
-                lock.key.rsplit(":", 1)[-1][:16], lock.task_name, lock.owner, state,
+                lock.key.rsplit(":", 1)[-1][:16], lock.task_name, lock.task_id, state,
             )
     return released
 

@@ -62,6 +62,8 @@ class AppSettings:
     default_on_duplicate: OnDuplicate
     fallback: Fallback
     send_events: bool
+    #: seconds a revoked owner token stays refused at start (``dedup_revoked_ttl``)
+    revoked_ttl: float = 86400.0
     #: whether calls to a broker queue that deduplicates itself skip the store
     native: Native = Native.AUTO
     #: the broker URL's scheme (``sqs``, ``redis``, ``amqp``…)
@@ -82,6 +84,7 @@ class AppSettings:
             default_on_duplicate=read_setting(conf, "dedup_default_on_duplicate"),
             fallback=read_setting(conf, "dedup_fallback"),
             send_events=send_events,
+            revoked_ttl=read_setting(conf, "dedup_revoked_ttl"),
             native=read_setting(conf, "dedup_native"),
             broker_scheme=str(conf.get("broker_url") or "").split(";")[0].partition("://")[0],
             store_options=dict(conf.get("dedup_store_options") or {}),

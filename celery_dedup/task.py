@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, cast
 
 from celery import Task
+from celery.exceptions import Ignore, Reject, Retry
 from celery.utils import uuid
 
 from . import events, native, worker
@@ -18,7 +19,7 @@ from .exceptions import (
     MissingDeduplicationKey,
     StoreUnavailable,
 )
-from .header import HEADER, NO_LOCK, LockHeader, read_header
+from .header import HEADER, NO_LOCK, LockHeader, new_token, read_header
 from .identity import (
     ArgumentBinder,
     Identity,
@@ -309,8 +310,10 @@ class DedupTask(_Task):
             until=call.unique_until,
             unique_for=call.unique_for,
             replace=call.on_duplicate is OnDuplicate.REPLACE,
+            token=new_token(),
         )
-        meta = {"task_name": self.name, "policy": call.unique_until.value}
+        owner = header.owner(task_id)
+        meta = worker.meta_for(self, task_id, call.unique_until)
         previous: Lock | None = None
         holder: Lock | None = None
         try:
@@ -319,9 +322,9 @@ class DedupTask(_Task):
                 runtime.fall_back(self.name, None)
                 return mark_result(publish(task_id, NO_LOCK), key)
             if header.replace:
-                previous = store.take_over(key, task_id, ttl, meta)
+                previous = self._take_over(store, key, owner, ttl, meta)
             else:
-                holder = store.acquire(key, task_id, ttl, meta)
+                holder = store.acquire(key, owner, ttl, meta)
         except StoreUnavailable as exc:
             runtime.fall_back(self.name, exc)
             return mark_result(publish(task_id, NO_LOCK), key)
@@ -337,10 +340,59 @@ class DedupTask(_Task):
         lock_acquired.send(
             sender=self, key=key, task_id=task_id, ttl=ttl, policy=header.until.value
         )
-        result = self._publish_locked(store, key, task_id, header, publish)
-        if previous is not None and previous.owner != task_id:
+        try:
+            result = self._publish_locked(store, key, task_id, header, publish)
+        except BaseException:
+            if previous is not None:
+                self._restore(store, key, previous)
+            raise
+        if previous is not None:
             self._revoke_replaced(key, task_id, previous)
         return mark_result(result, key)
+
+    def _take_over(
+        self, store: LockStore, key: str, owner: str, ttl: float, meta: Mapping[str, str]
+    ) -> Lock | None:
+        """Become the holder and refuse the previous publish's start (``replace``).
+
+        The previous owner is marked revoked before anything is published, so
+        it can never run after this call returns, even if the replacing task
+        runs and releases first or the revoke broadcast is lost.
+        """
+        previous = store.take_over(key, owner, ttl, meta)
+        if previous is None or previous.owner == owner:
+            return None
+        revoked_ttl = max(previous.ttl, self.dedup_config().runtime.settings.revoked_ttl)
+        store.revoke(key, previous.owner, revoked_ttl)
+        return previous
+
+    def _restore(self, store: LockStore, key: str, previous: Lock) -> None:
+        """A replacing publish failed: give the key back to the previous holder."""
+        try:
+            store.unrevoke(key, previous.owner)
+            meta = {
+                "task_name": previous.task_name,
+                "policy": previous.policy,
+                "task_id": previous.task_id,
+                "started": "1" if previous.started else "",
+            }
+            holder = store.acquire(key, previous.owner, max(previous.ttl, 1.0), meta)
+        except StoreUnavailable as exc:
+            logger.warning(
+                "celery-dedup: could not restore the lock of %s[%s] after a failed replace: %s",
+                self.name,
+                previous.task_id,
+                exc,
+            )
+            return
+        if holder is not None:
+            # Another call took the free key first: its message runs the work.
+            logger.info(
+                "celery-dedup: %s[%s] was replaced by a failed publish and then by %s",
+                self.name,
+                previous.task_id,
+                holder.task_id,
+            )
 
     def _publish_locked(
         self,
@@ -350,15 +402,23 @@ class DedupTask(_Task):
         header: LockHeader,
         publish: Callable[[str, LockHeader], Any],
     ) -> Any:
-        """Publish; if publishing raises, release the lock just taken and re-raise."""
-        if self.app.conf.task_always_eager:
-            # The task runs inside publish(); its own hooks apply the policy.
-            return publish(task_id, header)
+        """Publish; if publishing raises, release the lock just taken and re-raise.
+
+        An eager call runs its body inside ``publish()``: its own hooks apply
+        the policy once the body started, so only a call that raised before
+        its body ran (wrong arity, an unserialisable argument) releases here.
+        """
+        owner = header.owner(task_id)
+        eager = bool(self.app.conf.task_always_eager)
         try:
             return publish(task_id, header)
         except BaseException:
-            worker.release(self, store, key, task_id, "publish_failed")
+            if not (eager and worker.eager_body_started(owner)):
+                worker.release(self, store, key, owner, task_id, "publish_failed")
             raise
+        finally:
+            if eager:
+                worker.eager_body_started(owner)
 
     def _carries_chain_worker_side(self, options: Mapping[str, Any]) -> bool:
         return bool(options.get("chain")) and self.app.current_worker_task is not None
@@ -386,7 +446,7 @@ class DedupTask(_Task):
     ) -> DeduplicatedResult:
         """Report a suppressed call, then return the holder's result or raise."""
         runtime = self.dedup_config().runtime
-        if duplicate_id == holder.owner:
+        if duplicate_id == holder.task_id:
             duplicate_id = uuid()  # a deterministic id: the event needs its own uuid
         logger.debug(
             "celery-dedup: %s duplicate suppressed (key %s, ttl %.1fs)",
@@ -398,7 +458,7 @@ class DedupTask(_Task):
         task_deduplicated.send(
             sender=self,
             key=key,
-            existing_task_id=holder.owner,
+            existing_task_id=holder.task_id,
             duplicate_id=duplicate_id,
             args=args,
             kwargs=kwargs,
@@ -409,7 +469,7 @@ class DedupTask(_Task):
                 self.app,
                 task_name=self.name,
                 duplicate_id=duplicate_id,
-                holder_id=holder.owner,
+                holder_id=holder.task_id,
                 args=args,
                 kwargs=kwargs,
             )
@@ -418,23 +478,29 @@ class DedupTask(_Task):
         )
         if call.on_duplicate is OnDuplicate.RAISE and not must_not_raise:
             raise DuplicateTaskError(
-                task_name=self.name, key=key, existing_task_id=holder.owner, ttl=holder.ttl
+                task_name=self.name, key=key, existing_task_id=holder.task_id, ttl=holder.ttl
             )
         return DeduplicatedResult(
-            holder.owner,
+            holder.task_id,
             app=self.app,
             backend=self.backend,
             task_name=self.name,
             deduplication_key=key,
-            lock=holder,
+            # The owner token is the holder's proof of ownership: never hand it out.
+            lock=replace(holder, owner=""),
             duplicate_id=duplicate_id,
         )
 
     def _revoke_replaced(self, key: str, task_id: str, previous: Lock) -> None:
-        """Revoke the holder a ``replace`` call took over from (best effort)."""
-        lock_replaced.send(sender=self, key=key, task_id=task_id, previous_task_id=previous.owner)
+        """Tell workers to drop the replaced message (saves work; its start claim refuses it)."""
+        lock_replaced.send(
+            sender=self, key=key, task_id=task_id, previous_task_id=previous.task_id
+        )
+        if previous.task_id == task_id:
+            # A deterministic id: revoking it by id would discard the new message too.
+            return
         try:
-            self.app.control.revoke(previous.owner)
+            self.app.control.revoke(previous.task_id)
         except Exception:
             # The replaced task also checks ownership when it starts.
             logger.warning(
@@ -443,20 +509,57 @@ class DedupTask(_Task):
 
     # -- worker-side hooks -------------------------------------------------
 
-    def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
-        """Skip the body if this task no longer owns its lock; release ``start`` locks."""
-        super().before_start(task_id, args, kwargs)
-        worker.on_start(self, task_id, args, kwargs)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the body under the start claim; release per policy before the result is stored.
 
-    def on_success(self, retval: Any, task_id: str, args: Any, kwargs: Any) -> None:
-        """Release ``success`` and ``finish`` locks."""
-        worker.on_outcome(self, task_id, succeeded=True)
-        super().on_success(retval, task_id, args, kwargs)
+        The tracer stores SUCCESS/FAILURE only after this returns, so a
+        ``result.get()`` that returns means the lock is already released.
+        """
+        request = self.request
+        if request.called_directly:
+            return super().__call__(*args, **kwargs)
+        held = worker.claim_at_start(self, str(request.id), args, kwargs)
+        if held is None:
+            return super().__call__(*args, **kwargs)
+        request.dedup_held = held  # type: ignore[attr-defined]  # seen by on_replace
+        try:
+            retval = super().__call__(*args, **kwargs)
+        except Retry:
+            raise  # the retry was published holding the lock
+        except Ignore:
+            worker.finish(self, held, worker.Outcome.IGNORED)
+            raise
+        except Reject as exc:
+            if not getattr(exc, "requeue", False):
+                worker.finish(self, held, worker.Outcome.REJECTED)
+            raise
+        except Exception:
+            worker.finish(self, held, worker.Outcome.FAILURE)
+            raise
+        worker.finish(self, held, worker.Outcome.SUCCESS)
+        return retval
 
     def on_failure(self, exc: Exception, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
-        """Release ``finish`` locks after a final failure (retries keep them)."""
-        worker.on_outcome(self, task_id, succeeded=False)
+        """A hard time limit (worker main process): release ``finish`` locks from there."""
+        if self.request.id != task_id:
+            worker.release_from_main_process(self, task_id, args, kwargs, worker.Outcome.FAILURE)
         super().on_failure(exc, task_id, args, kwargs, einfo)
+
+    def on_replace(self, sig: Any) -> Any:
+        """``self.replace(sig)``: the lock passes to a single ``DedupTask`` replacement.
+
+        The replacement is published with this run's header and owner token,
+        so its own claim and release apply the original policy. Any other
+        replacement (a plain task, a chain, a group) ends this run's hold:
+        the lock is released as on success.
+        """
+        held: worker.Held | None = getattr(self.request, "dedup_held", None)
+        if held is not None and not self.request.is_eager and _takes_over_lock(self, sig):
+            headers = dict(sig.options.get("headers") or {})
+            headers[HEADER] = held.header.encode()
+            sig.set(headers=headers)
+            held.handed_over = True
+        return super().on_replace(sig)
 
     def dedup_header(self, task_id: str) -> LockHeader | None:
         """The ``celery_dedup`` header of the running request ``task_id``."""
@@ -471,6 +574,16 @@ class DedupTask(_Task):
 
 def _choice(enum: Any, value: Any, default: Any) -> Any:
     return default if value is None else validate_choice(enum, value, "")
+
+
+def _takes_over_lock(task: DedupTask, sig: Any) -> bool:
+    """Whether ``sig`` is one task of this app that takes a ``celery_dedup`` header."""
+    from celery.canvas import Signature, _chain, group
+
+    if not isinstance(sig, Signature) or isinstance(sig, (_chain, group)):
+        return False
+    target = task.app.tasks.get(str(sig.task))
+    return target is not None and hasattr(target, "dedup_config")
 
 
 def _is_canvas_member(options: Mapping[str, Any]) -> bool:

@@ -1,40 +1,96 @@
-"""Worker-side lock handling: release per policy, the start guard, revokes and retries.
+"""Worker-side lock handling: the start claim, release per outcome, revokes and retries.
 
-Runs in pool children (``before_start``, ``on_success``, ``on_failure``) and
-in the worker's main process (``task_revoked``, hard time limits). Every
-release is owner-checked and idempotent; store clients are per process
-(redis-py pools reset themselves after a fork, the SQL store disposes its
-engine), so nothing here shares a connection across a fork.
+Runs in pool children (``DedupTask.__call__``) and in the worker's main
+process (``task_revoked``, hard time limits, the ``dedup_terminate`` control
+command). Ownership is the publish's owner token from the ``celery_dedup``
+header, never the task id, so two runs sharing a task id (deterministic ids,
+forged ids) never release or skip each other. Every release is
+owner-checked and idempotent; store clients are per process (redis-py pools
+reset themselves after a fork, the SQL store disposes its engine), so
+nothing here shares a connection across a fork.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from celery import states
 from celery.exceptions import Ignore
 from celery.signals import task_received, task_revoked
+from celery.worker.control import control_command
 
 from .exceptions import StoreUnavailable
 from .header import HEADER, LockHeader, read_header
 from .policy import UniqueUntil, lock_ttl
 from .signals import lock_acquired, lock_released, task_skipped
-from .stores.base import LockStore
+from .stores.base import ClaimOutcome, LockStore
 
 if TYPE_CHECKING:
     from .task import DedupTask
 
-__all__ = ["on_outcome", "on_start", "release", "republish_as_holder"]
+__all__ = [
+    "GUARD_PREFIX",
+    "Held",
+    "Outcome",
+    "claim_at_start",
+    "finish",
+    "release",
+    "republish_as_holder",
+]
 
 logger = logging.getLogger("celery_dedup")
+
+#: Owner tokens of locks the worker took for messages without a header.
+GUARD_PREFIX = "guard:"
 
 # Requests the worker's main process has received, by task id. A hard time
 # limit calls on_failure in the main process, where task.request is empty;
 # this is how that call finds the message's header. Weak: no leak.
 _received: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+
+# Owner tokens whose body started in this thread (eager calls only): an eager
+# publish that raises before its body ran releases the lock it took.
+_eager = threading.local()
+
+
+class Outcome(str, Enum):
+    """How a run ended, as far as its lock is concerned."""
+
+    SUCCESS = "success"
+    FAILURE = "failure"
+    #: ``raise Ignore()`` in the body, or ``replace()`` with a replacement
+    #: that does not take the lock over: released like a success
+    IGNORED = "ignored"
+    #: ``raise Reject(requeue=False)``: released like a failure
+    REJECTED = "rejected"
+    #: revoked, expired or terminated by a revoke
+    REVOKED = "revoked"
+
+    def releases(self, until: UniqueUntil) -> bool:
+        """Whether a lock under ``until`` is released when a run ends like this."""
+        if self in (Outcome.SUCCESS, Outcome.IGNORED):
+            return until.releases_on_success()
+        if self in (Outcome.FAILURE, Outcome.REJECTED):
+            return until.releases_on_failure()
+        return until.releases_on_revoke()
+
+
+@dataclass
+class Held:
+    """The lock a running message holds, from its start claim to its end."""
+
+    store: LockStore
+    header: LockHeader
+    key: str
+    owner: str
+    task_id: str
+    #: set when the lock passed to a replacement (``self.replace()``)
+    handed_over: bool = False
 
 
 def short(key: str) -> str:
@@ -42,10 +98,12 @@ def short(key: str) -> str:
     return key.rsplit(":", 1)[-1][:16]
 
 
-def release(task: DedupTask, store: LockStore, key: str, task_id: str, reason: str) -> bool:
+def release(
+    task: DedupTask, store: LockStore, key: str, owner: str, task_id: str, reason: str
+) -> bool:
     """Owner-checked release; a store outage is logged, never raised (the TTL bounds it)."""
     try:
-        released = store.release(key, task_id)
+        released = store.release(key, owner)
     except StoreUnavailable as exc:
         logger.warning(
             "celery-dedup: could not release lock %s of %s[%s] (%s): it expires with its TTL",
@@ -56,12 +114,19 @@ def release(task: DedupTask, store: LockStore, key: str, task_id: str, reason: s
         )
         return False
     if released:
-        task.dedup_config().runtime.metrics.incr(task.name, "released")
-        lock_released.send(sender=task, key=key, task_id=task_id, reason=reason)
-        logger.debug(
-            "celery-dedup: released %s of %s[%s] (%s)", short(key), task.name, task_id, reason
-        )
+        _count_release(task, key, task_id, reason)
     return released
+
+
+def _count_release(task: DedupTask, key: str, task_id: str, reason: str) -> None:
+    task.dedup_config().runtime.metrics.incr(task.name, "released")
+    lock_released.send(sender=task, key=key, task_id=task_id, reason=reason)
+    logger.debug("celery-dedup: released %s of %s[%s] (%s)", short(key), task.name, task_id, reason)
+
+
+def meta_for(task: DedupTask, task_id: str, until: UniqueUntil) -> dict[str, str]:
+    """The metadata a lock of ``task`` is written with."""
+    return {"task_name": task.name, "policy": until.value, "task_id": task_id}
 
 
 def republish_as_holder(
@@ -73,8 +138,9 @@ def republish_as_holder(
     """A ``retry()``/``replace()`` by the holder: keep the lock, extend its TTL, publish.
 
     The TTL becomes the retry's delay plus ``unique_for``. If the lock
-    expired meanwhile it is taken again; if another task took it, the retry
-    is published all the same (a retry is never dropped) and that is logged.
+    expired meanwhile it is taken again; if another publish took it, the
+    retry is published all the same (a retry is never dropped: its start
+    claim then finds the other holder and skips, so the work runs once).
     """
     current = task.app.current_worker_task
     header = read_header(options.get("headers")) or (
@@ -84,21 +150,18 @@ def republish_as_holder(
     )
     if header is None or header.key is None:
         return publish(task_id, header or LockHeader())
-    runtime = task.dedup_config().runtime
-    store = runtime.store
+    store = task.dedup_config().runtime.store
     if store is not None:
+        owner = header.owner(task_id)
         ttl = lock_ttl(
             header.unique_for, countdown=options.get("countdown"), eta=options.get("eta")
         )
         try:
-            if not store.extend(header.key, task_id, ttl):
+            if not store.extend(header.key, owner, ttl):
                 holder = store.acquire(
-                    header.key,
-                    task_id,
-                    ttl,
-                    {"task_name": task.name, "policy": header.until.value},
+                    header.key, owner, ttl, meta_for(task, task_id, header.until)
                 )
-                if holder is not None and holder.owner != task_id:
+                if holder is not None and holder.owner != owner:
                     logger.warning(
                         "celery-dedup: %s[%s] retries after its lock %s passed to another task",
                         task.name,
@@ -112,106 +175,156 @@ def republish_as_holder(
     return publish(task_id, header)
 
 
-def _skip(task: DedupTask, task_id: str, key: str, holder_id: str | None, reason: str) -> None:
-    """End the task in state IGNORED without running its body."""
+def _skip(
+    task: DedupTask, task_id: str, key: str, holder_id: str | None, reason: str
+) -> None:
+    """End the task without running its body: IGNORED, or REVOKED for a revoked owner."""
     logger.info(
-        "celery-dedup: skipping %s[%s]: lock %s is held by another task (%s)",
-        task.name,
-        task_id,
-        short(key),
-        reason,
+        "celery-dedup: skipping %s[%s] (lock %s: %s)", task.name, task_id, short(key), reason
     )
     task.dedup_config().runtime.metrics.incr(task.name, "skipped")
     task_skipped.send(
         sender=task, key=key, task_id=task_id, existing_task_id=holder_id, reason=reason
     )
-    if not task.request.is_eager or task.app.conf.task_store_eager_result:
-        task.update_state(
-            task_id=task_id,
-            state=states.IGNORED,
-            meta={"skipped": reason, "deduplication_key": key},
-        )
-    raise Ignore(f"celery-dedup: duplicate of a running task ({reason})")
+    request = task.request
+    if not request.is_eager or task.app.conf.task_store_eager_result:
+        if reason == "revoked":
+            task.backend.mark_as_revoked(task_id, "revoked by celery-dedup", request=request)
+        else:
+            from celery import states
+
+            task.update_state(
+                task_id=task_id,
+                state=states.IGNORED,
+                meta={"skipped": reason, "deduplication_key": key, "holder": holder_id},
+            )
+    raise Ignore(f"celery-dedup: not run ({reason})")
 
 
-def on_start(task: DedupTask, task_id: str, args: Any, kwargs: Any) -> None:
-    """``before_start``: guard messages that bypassed ``apply_async``; release ``start`` locks."""
-    header = task.dedup_header(task_id)
-    runtime = task.dedup_config().runtime
-    store = runtime.store
-    if store is None:
-        return
-    if header is None:
-        header = _guard_unannounced(task, store, task_id, args, kwargs)
-        if header is None:
-            return
-    elif header.replace and header.key is not None:
-        try:
-            holder = store.get(header.key)
-        except StoreUnavailable:
-            holder = None
-        if holder is not None and holder.owner != task_id:
-            _skip(task, task_id, header.key, holder.owner, "replaced")
-    if header.key is not None and header.until is UniqueUntil.START:
-        release(task, store, header.key, task_id, "start")
-
-
-def _guard_unannounced(
-    task: DedupTask, store: LockStore, task_id: str, args: Any, kwargs: Any
+def guard_header(
+    task: DedupTask, task_id: str, args: Any, kwargs: Any, routing_key: Any
 ) -> LockHeader | None:
-    """A message with no ``celery_dedup`` header (``send_task``, ``celery call``).
+    """The header the worker runs a message without one under (``send_task``).
 
-    The worker takes the lock itself, owned by this task id; if another task
-    holds it, the body is skipped. Returns the header the task now runs under.
+    Its owner is derived from the task id, so a redelivery of the same
+    message owns the lock it took, and the main process can release it.
     """
     config = task.dedup_config()
     call = config.resolve({})
-    queue = (task.request.delivery_info or {}).get("routing_key")
     try:
-        key = task.dedup_key(args, kwargs, call, queue)
+        key = task.dedup_key(args, kwargs, call, routing_key)
     except (TypeError, ValueError) as exc:
         logger.warning("celery-dedup: %s[%s] runs unguarded: %s", task.name, task_id, exc)
         return None
     if key is None:
         return None
-    header = LockHeader(key=key, until=call.unique_until, unique_for=config.unique_for)
-    ttl = config.unique_for
-    meta = {"task_name": task.name, "policy": call.unique_until.value}
-    try:
-        holder = store.acquire(key, task_id, ttl, meta)
-    except StoreUnavailable as exc:
-        logger.warning("celery-dedup: %s[%s] runs unguarded: %s", task.name, task_id, exc)
+    return LockHeader(
+        key=key, until=call.unique_until, unique_for=config.unique_for,
+        token=GUARD_PREFIX + task_id,
+    )
+
+
+def claim_at_start(task: DedupTask, task_id: str, args: Any, kwargs: Any) -> Held | None:
+    """The start check: one round trip that confirms this message still owns its lock.
+
+    Returns what the run holds (released at its end per policy), or ``None``
+    when it holds nothing; raises ``Ignore`` (after recording the state) when
+    the body must not run: another publish holds the key (replaced, or the
+    lock expired and a newer call took it) or this publish was revoked.
+    """
+    request = task.request
+    store = task.dedup_config().runtime.store
+    if store is None:
         return None
-    if holder is not None and holder.owner != task_id:
-        _skip(task, task_id, key, holder.owner, "unannounced duplicate")
-    if holder is None:
-        config.runtime.metrics.incr(task.name, "acquired")
-        lock_acquired.send(
-            sender=task, key=key, task_id=task_id, ttl=ttl, policy=call.unique_until.value
+    header = task.dedup_header(task_id)
+    if header is None:
+        if request.is_eager:
+            return None  # task.apply() and eager canvas members: never went through a broker
+        routing_key = (request.delivery_info or {}).get("routing_key")
+        header = guard_header(task, task_id, args, kwargs, routing_key)
+        if header is None:
+            return None
+    if header.key is None:
+        return None
+    key, owner, until = header.key, header.owner(task_id), header.until
+    if request.is_eager:
+        # apply_async took this lock in this thread a moment ago: no claim needed.
+        _eager_started().add(owner)
+        if until is UniqueUntil.START:
+            release(task, store, key, owner, task_id, "start")
+            return None
+        return Held(store, header, key, owner, task_id)
+    guarded = owner.startswith(GUARD_PREFIX)
+    release_now = until is UniqueUntil.START and not guarded
+    retake = guarded or until in (UniqueUntil.SUCCESS, UniqueUntil.FINISH)
+    try:
+        claim = store.claim(
+            key,
+            owner,
+            release=release_now,
+            ttl=header.unique_for if retake else None,
+            meta=meta_for(task, task_id, until),
         )
-    # Remember it for the release hooks of this same request.
-    headers = task.request.headers
+    except StoreUnavailable as exc:
+        # The message exists: running it unlocked loses nothing (fallback "open").
+        logger.warning("celery-dedup: %s[%s] runs unchecked: %s", task.name, task_id, exc)
+        return None
+    if claim.outcome is ClaimOutcome.REVOKED:
+        _skip(task, task_id, key, None, "revoked")
+    if claim.outcome is ClaimOutcome.HELD:
+        holder = claim.holder
+        reason = "unannounced duplicate" if guarded else "held by another publish"
+        if header.replace:
+            reason = "replaced"
+        _skip(task, task_id, key, holder.task_id if holder else None, reason)
+    if claim.outcome is ClaimOutcome.FREE and retake:
+        task.dedup_config().runtime.metrics.incr(task.name, "acquired")
+        lock_acquired.send(
+            sender=task, key=key, task_id=task_id, ttl=header.unique_for, policy=until.value
+        )
+    if release_now:
+        if claim.outcome is ClaimOutcome.OWNED:
+            _count_release(task, key, task_id, "start")
+        return None
+    if guarded and until is UniqueUntil.START:
+        release(task, store, key, owner, task_id, "start")
+        return None
+    if guarded:
+        _remember_guard(request, header)
+    return Held(store, header, key, owner, task_id)
+
+
+def _remember_guard(request: Any, header: LockHeader) -> None:
+    """Put the guard's header on the request so hooks of this run find it."""
+    headers = request.headers
     if isinstance(headers, dict):
         headers[HEADER] = header.encode()
     else:
-        task.request.headers = {HEADER: header.encode()}
-    return header
+        request.headers = {HEADER: header.encode()}
 
 
-def on_outcome(task: DedupTask, task_id: str, *, succeeded: bool) -> None:
-    """``on_success``/``on_failure``: release when the policy says so."""
-    header = task.dedup_header(task_id)
-    if header is None or header.key is None:
-        return
-    if succeeded and header.until.releases_on_success():
-        reason = "success"
-    elif not succeeded and header.until.releases_on_failure():
-        reason = "failure"
-    else:
-        return
-    store = task.dedup_config().runtime.store
-    if store is not None:
-        release(task, store, header.key, task_id, reason)
+def finish(task: DedupTask, held: Held, outcome: Outcome) -> None:
+    """Release what the run holds when its policy says so (before the result is stored)."""
+    if not held.handed_over and outcome.releases(held.header.until):
+        release(task, held.store, held.key, held.owner, held.task_id, outcome.value)
+
+
+def _eager_started() -> set[str]:
+    started: set[str] | None = getattr(_eager, "started", None)
+    if started is None:
+        started = _eager.started = set()
+    return started
+
+
+def eager_body_started(owner: str) -> bool:
+    """Whether an eager call's body claimed ``owner``'s lock (and forget it)."""
+    started = _eager_started()
+    found = owner in started
+    started.discard(owner)
+    return found
+
+
+# -- the worker's main process ---------------------------------------------
 
 
 def header_from_main_process(task_id: str) -> LockHeader | None:
@@ -220,6 +333,22 @@ def header_from_main_process(task_id: str) -> LockHeader | None:
     if request is None:
         return None
     return read_header(request.request_dict)
+
+
+def release_from_main_process(
+    task: DedupTask, task_id: str, args: Any, kwargs: Any, outcome: Outcome
+) -> None:
+    """A hard time limit: the pool child is gone; release per policy from here."""
+    request = _received.get(task_id)
+    header = header_from_main_process(task_id)
+    if header is None and request is not None:
+        routing_key = (request.delivery_info or {}).get("routing_key")
+        header = guard_header(task, task_id, args, kwargs, routing_key)
+    store = task.dedup_config().runtime.store
+    if header is None or header.key is None or store is None:
+        return
+    if outcome.releases(header.until):
+        release(task, store, header.key, header.owner(task_id), task_id, outcome.value)
 
 
 @task_received.connect(weak=False)
@@ -233,13 +362,45 @@ def _remember_request(sender: Any = None, request: Any = None, **_: Any) -> None
 def _release_revoked(
     sender: Any = None, request: Any = None, expired: bool = False, **_: Any
 ) -> None:
-    """A revoked or expired message releases its lock (except ``expiry``)."""
+    """A revoked, expired or terminated message releases its lock (except ``expiry``)."""
     if request is None or not hasattr(sender, "dedup_config"):
         return
     raw: Mapping[str, Any] = request.headers or {}
     header = read_header(raw) or read_header({HEADER: getattr(request, HEADER, None)})
+    if header is None:
+        routing_key = (getattr(request, "delivery_info", None) or {}).get("routing_key")
+        header = guard_header(sender, request.id, request.args, request.kwargs, routing_key)
     if header is None or header.key is None or not header.until.releases_on_revoke():
         return
     store = sender.dedup_config().runtime.store
     if store is not None:
-        release(sender, store, header.key, request.id, "expired" if expired else "revoked")
+        reason = "expired" if expired else "revoked"
+        release(sender, store, header.key, header.owner(request.id), request.id, reason)
+
+
+def _request_token(request: Any) -> str:
+    header = read_header(getattr(request, "request_dict", None))
+    if header is not None and header.token:
+        return header.token
+    return GUARD_PREFIX + str(request.id)
+
+
+@control_command(
+    args=[("token", str), ("signal", str)],
+    signature="<token> [signal]",
+)
+def dedup_terminate(state: Any, token: str, signal: str | None = None, **_: Any) -> Any:
+    """Terminate the running task whose lock is owned by ``token``.
+
+    ``celery_dedup.revoke(..., terminate=True)`` uses it instead of
+    Celery's revoke-by-id, which would also discard every later run that
+    reuses the id (deterministic ids) for as long as workers remember it.
+    """
+    from celery.worker import state as worker_state
+
+    terminated = []
+    for request in list(worker_state.active_requests):
+        if _request_token(request) == token:
+            request.terminate(state.consumer.pool, signal=signal or "SIGTERM")
+            terminated.append(request.id)
+    return {"ok": f"terminated {', '.join(terminated)}" if terminated else "no such task"}

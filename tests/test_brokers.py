@@ -96,7 +96,7 @@ def test_duplicate_suppressed_holder_runs_once_lock_released(
         assert first.deduplicated is False
         assert second.deduplicated is True and second.id == first.id
         lock = inspect_lock(first.deduplication_key, app=app)
-        assert lock is not None and lock.owner == first.id and lock.policy == "success"
+        assert lock is not None and lock.task_id == first.id and lock.policy == "success"
         with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False,
                           shutdown_timeout=30, loglevel="WARNING"):
             assert first.get(timeout=20) == 70

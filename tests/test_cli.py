@@ -273,4 +273,4 @@ def test_reap_releases_locks_of_finished_holders(app: Celery) -> None:
     assert store is not None
     assert store.get(finished.deduplication_key) is None
     lock = store.get(pending.deduplication_key)
-    assert lock is not None and lock.owner == pending.id
+    assert lock is not None and lock.task_id == pending.id

@@ -227,8 +227,8 @@ def test_standard_queue_on_the_same_broker_uses_the_store(
     assert sqs_server.queue_length(plain) == 1
     assert sqs_server.queue_length(fifo) == 0
     lock = inspect_lock(first.deduplication_key, app=app)
-    assert lock is not None and lock.owner == first.id
-    assert [held.owner for held in store.scan("")] == [first.id]
+    assert lock is not None and lock.task_id == first.id
+    assert [held.task_id for held in store.scan("")] == [first.id]
 
 
 def test_native_never_uses_the_store_on_fifo(
@@ -250,7 +250,7 @@ def test_native_never_uses_the_store_on_fifo(
     assert second.deduplicated is True and second.id == first.id
     assert first.id != deterministic_task_id(first.deduplication_key)
     lock = inspect_lock(first.deduplication_key, app=app)
-    assert lock is not None and lock.owner == first.id
+    assert lock is not None and lock.task_id == first.id
     assert sqs_server.queue_length(queue) == 1
     (message,) = sqs_server.peek(queue)
     assert message["MessageDeduplicationId"] != _digest(first.deduplication_key)

@@ -71,12 +71,12 @@ def test_memory_store_deduplicates_and_restores(eager_app: Celery, tasks: dict[s
         second = sync_address.delay(user_id=42, address={"zip": "10115"})
         assert first.get() == 42
         assert second.deduplicated is True and second.id == first.id
-        assert [lock.owner for lock in store.scan("")] == [first.id]
+        assert [lock.task_id for lock in store.scan("")] == [first.id]
     assert runtime_for(eager_app).store is configured
     assert list(configured.scan("")) == []
     third = sync_address.delay(42, {"zip": "10115"})
     assert third.deduplicated is False
-    assert [lock.owner for lock in configured.scan("")] == [third.id]
+    assert [lock.task_id for lock in configured.scan("")] == [third.id]
     configured.clear()
 
 
@@ -149,7 +149,7 @@ def test_assertions_accept_enqueue_many(eager_app: Celery, tasks: dict[str, Any]
         assert_not_deduplicated(first)
         assert_deduplicated(again)
         batch_locks = held_locks(eager_app, "celery_dedup.batch")
-        assert [lock.owner for lock in batch_locks] == [first.id]
+        assert [lock.task_id for lock in batch_locks] == [first.id]
         # Members are DedupTasks too: each takes its own lock while it is free.
         assert len(held_locks(eager_app, send_digest)) == 2
 
@@ -162,13 +162,13 @@ def test_held_locks_filters_by_task(eager_app: Celery, tasks: dict[str, Any]) ->
         a = sync_address.delay(1, {"zip": "1"})
         b = send_digest.delay(2)
         c = send_digest.delay(3)
-        assert sorted(lock.owner for lock in held_locks(eager_app)) == sorted([a.id, b.id, c.id])
-        assert [lock.owner for lock in held_locks(eager_app, sync_address)] == [a.id]
+        assert sorted(lock.task_id for lock in held_locks(eager_app)) == sorted([a.id, b.id, c.id])
+        assert [lock.task_id for lock in held_locks(eager_app, sync_address)] == [a.id]
         by_name = held_locks(eager_app, send_digest.name)
-        assert sorted(lock.owner for lock in by_name) == sorted([b.id, c.id])
+        assert sorted(lock.task_id for lock in by_name) == sorted([b.id, c.id])
         assert all(lock.task_name == send_digest.name for lock in by_name)
         assert release(b, app=eager_app) is True
-        assert [lock.owner for lock in held_locks(eager_app, send_digest)] == [c.id]
+        assert [lock.task_id for lock in held_locks(eager_app, send_digest)] == [c.id]
 
 
 def test_held_locks_without_store(eager_app: Celery) -> None:
@@ -227,7 +227,7 @@ def test_helpers_with_a_real_worker(redis_url: str) -> None:
         duplicate = slow.delay(1)
         assert_deduplicated(duplicate)
         assert duplicate.id == first.id
-        assert [lock.owner for lock in held_locks(app, slow)] == [first.id]
+        assert [lock.task_id for lock in held_locks(app, slow)] == [first.id]
         gate.set()
         assert first.get(timeout=15) == 1
         released = wait_for(lambda: sent.named("lock_released"))

@@ -1,30 +1,92 @@
 """The lock store protocol every backend implements.
 
-A store keeps one record per key: the owner (the task id that holds it), a
-little metadata and an expiry. Every operation is a single round trip and
-atomic on the server, and every lock carries a TTL.
+A store keeps one record per key: the owner (a random token generated for
+each publish, never shown to duplicate callers), the holder's task id, a
+little metadata, whether the holder's message has started, and an expiry.
+Beside the locks it keeps short-lived *revoked markers*: one per revoked
+owner token, consulted by the worker's start check. Every operation is a
+single round trip and atomic on the server (memcached and generic caches:
+see their modules), and every record carries a TTL.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from enum import Enum
 from typing import Protocol, runtime_checkable
 
 from ..exceptions import StoreUnavailable
 
 __all__ = [
+    "REVOKED_POLICY",
+    "Claim",
+    "ClaimOutcome",
     "CounterSupport",
     "Lock",
     "LockMeta",
     "LockStore",
+    "RevokeOutcome",
+    "revoked_marker_key",
     "unavailable_on",
 ]
 
-#: Metadata saved with a lock: ``{"task_name": ..., "policy": ...}``.
+#: Metadata saved with a lock: ``{"task_name": ..., "policy": ..., "task_id": ...}``.
+#: ``task_id`` is the holder's Celery task id (metadata, never an ownership
+#: proof); a store that finds none reports the owner as the task id (0.1.0
+#: locks, whose owner was the task id).
 LockMeta = Mapping[str, str]
+
+#: The ``policy`` a store writes on a revoked marker record (stores that keep
+#: markers beside locks, e.g. in the same SQL table, filter them out by it).
+REVOKED_POLICY = "revoked"
+
+
+def revoked_marker_key(key: str, owner: str) -> str:
+    """The store key of the revoked marker of ``owner`` on ``key``.
+
+    A fixed-length digest under its own namespace: it never matches a lock
+    key prefix, so ``scan`` never sees it. (Redis derives its own marker key
+    in the lock's hash slot instead.)
+    """
+    digest = hashlib.sha256(f"{key}\x00{owner}".encode()).hexdigest()
+    return f"celery-dedup-revoked:{digest}"
+
+
+class ClaimOutcome(str, Enum):
+    """What the worker's start check found (``LockStore.claim``)."""
+
+    #: ``owner`` holds the key: marked started, or deleted when ``release``
+    OWNED = "owned"
+    #: another owner holds the key (``Claim.holder``)
+    HELD = "held"
+    #: ``owner`` was revoked (a marker exists); its lock, if any, was deleted
+    REVOKED = "revoked"
+    #: nobody held the key; it was taken for ``owner`` when a ``ttl`` was given
+    FREE = "free"
+
+
+@dataclass(frozen=True)
+class Claim:
+    """The answer of ``LockStore.claim``."""
+
+    outcome: ClaimOutcome
+    #: the other holder, for ``HELD``
+    holder: Lock | None = None
+
+
+class RevokeOutcome(str, Enum):
+    """What ``LockStore.revoke`` did to the owner's lock."""
+
+    #: ``owner`` held the key and had not started: the lock was deleted
+    RELEASED = "released"
+    #: ``owner`` holds the key and its message has started: the lock was kept
+    RUNNING = "running"
+    #: ``owner`` does not hold the key (free, expired or another owner's)
+    NOT_HELD = "not_held"
 
 
 @dataclass(frozen=True)
@@ -32,11 +94,16 @@ class Lock:
     """A held lock as a store reports it."""
 
     key: str
+    #: the owner token (secret to the holder's message)
     owner: str
     task_name: str
     acquired_at: float
     expires_at: float
     policy: str
+    #: the holder's Celery task id (metadata: duplicates are given this)
+    task_id: str = ""
+    #: whether the holder's message passed its start check (it is running)
+    started: bool = False
 
     @property
     def ttl(self) -> float:
@@ -57,8 +124,9 @@ class LockStore(Protocol):
     def acquire(self, key: str, owner: str, ttl: float, meta: LockMeta) -> Lock | None:
         """Take ``key`` for ``owner`` for ``ttl`` seconds if it is free or expired.
 
-        Returns ``None`` when the lock was taken, else the current holder, in
-        the same round trip.
+        The new lock is not started (``started=False``) unless
+        ``meta["started"] == "1"``. Returns ``None`` when the lock was taken,
+        else the current holder, in the same round trip.
         """
 
     def release(self, key: str, owner: str) -> bool:
@@ -68,13 +136,42 @@ class LockStore(Protocol):
         """
 
     def extend(self, key: str, owner: str, ttl: float) -> bool:
-        """Set the TTL of ``key`` to ``ttl`` seconds from now if ``owner`` holds it."""
+        """Set the TTL of ``key`` to ``ttl`` seconds from now if ``owner`` holds it.
+
+        Every other field (task id, started) is kept.
+        """
 
     def take_over(self, key: str, owner: str, ttl: float, meta: LockMeta) -> Lock | None:
-        """Make ``owner`` the holder of ``key`` unconditionally.
+        """Make ``owner`` the holder of ``key`` unconditionally (not started).
 
         Returns the previous live holder, or ``None`` if the key was free.
         """
+
+    def claim(
+        self, key: str, owner: str, *, release: bool, ttl: float | None, meta: LockMeta
+    ) -> Claim:
+        """The worker's start check, atomically, in one round trip.
+
+        In this order: if a revoked marker of ``owner`` on ``key`` exists,
+        delete ``key`` if ``owner`` holds it and answer ``REVOKED``; else if
+        ``owner`` holds ``key``, delete it when ``release`` or mark it
+        started, and answer ``OWNED``; else if another owner holds it, answer
+        ``HELD`` with that holder; else (free or expired) take it for
+        ``owner`` for ``ttl`` seconds, already started, with ``meta`` when
+        ``ttl`` is given and ``release`` is false, and answer ``FREE``.
+        """
+
+    def revoke(self, key: str, owner: str, ttl: float) -> RevokeOutcome:
+        """Revoke ``owner`` atomically, in one round trip.
+
+        Writes a revoked marker of ``owner`` on ``key`` living ``ttl``
+        seconds (``claim`` consults it), and deletes ``key`` if ``owner``
+        holds it and has not started (``RELEASED``); a started holder keeps
+        its lock (``RUNNING``); else ``NOT_HELD``.
+        """
+
+    def unrevoke(self, key: str, owner: str) -> None:
+        """Delete the revoked marker of ``owner`` on ``key`` (undo a revoke whose cause failed)."""
 
     def get(self, key: str) -> Lock | None:
         """Return the live lock at ``key``, or ``None``."""

@@ -12,9 +12,10 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from .base import Lock, LockMeta
+from .base import Claim, ClaimOutcome, Lock, LockMeta, RevokeOutcome
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -33,6 +34,8 @@ class MemoryStore:
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self.clock = clock
         self._locks: dict[str, Lock] = {}
+        #: (key, owner) → when the revoked marker expires
+        self._revoked: dict[tuple[str, str], float] = {}
         self._counts: Counter[tuple[str, str]] = Counter()
         self._mutex = threading.Lock()
 
@@ -62,9 +65,18 @@ class MemoryStore:
             acquired_at=now,
             expires_at=now + ttl,
             policy=meta.get("policy", ""),
+            task_id=meta.get("task_id") or owner,
+            started=meta.get("started") == "1",
         )
         self._locks[key] = lock
         return lock
+
+    def _is_revoked(self, key: str, owner: str, now: float) -> bool:
+        until = self._revoked.get((key, owner))
+        if until is not None and until <= now:
+            del self._revoked[(key, owner)]
+            return False
+        return until is not None
 
     def acquire(self, key: str, owner: str, ttl: float, meta: LockMeta) -> Lock | None:
         """Take the lock if free or expired, else return the holder."""
@@ -92,14 +104,7 @@ class MemoryStore:
             holder = self._live(key, now)
             if holder is None or holder.owner != owner:
                 return False
-            self._locks[key] = Lock(
-                key=key,
-                owner=owner,
-                task_name=holder.task_name,
-                acquired_at=holder.acquired_at,
-                expires_at=now + ttl,
-                policy=holder.policy,
-            )
+            self._locks[key] = replace(holder, expires_at=now + ttl)
             return True
 
     def take_over(self, key: str, owner: str, ttl: float, meta: LockMeta) -> Lock | None:
@@ -109,6 +114,48 @@ class MemoryStore:
             previous = self._live(key, now)
             self._new(key, owner, ttl, meta, now)
             return previous
+
+    def claim(
+        self, key: str, owner: str, *, release: bool, ttl: float | None, meta: LockMeta
+    ) -> Claim:
+        """The start check (see ``LockStore.claim``)."""
+        with self._mutex:
+            now = self.clock()
+            holder = self._live(key, now)
+            mine = holder is not None and holder.owner == owner
+            if self._is_revoked(key, owner, now):
+                if mine:
+                    del self._locks[key]
+                return Claim(ClaimOutcome.REVOKED)
+            if holder is not None and mine:
+                if release:
+                    del self._locks[key]
+                else:
+                    self._locks[key] = replace(holder, started=True)
+                return Claim(ClaimOutcome.OWNED)
+            if holder is not None:
+                return Claim(ClaimOutcome.HELD, holder)
+            if ttl is not None and not release:
+                self._new(key, owner, ttl, {**meta, "started": "1"}, now)
+            return Claim(ClaimOutcome.FREE)
+
+    def revoke(self, key: str, owner: str, ttl: float) -> RevokeOutcome:
+        """Mark ``owner`` revoked; release its lock unless it started."""
+        with self._mutex:
+            now = self.clock()
+            self._revoked[(key, owner)] = max(self._revoked.get((key, owner), 0.0), now + ttl)
+            holder = self._live(key, now)
+            if holder is None or holder.owner != owner:
+                return RevokeOutcome.NOT_HELD
+            if holder.started:
+                return RevokeOutcome.RUNNING
+            del self._locks[key]
+            return RevokeOutcome.RELEASED
+
+    def unrevoke(self, key: str, owner: str) -> None:
+        """Forget the revoked marker of ``owner``."""
+        with self._mutex:
+            self._revoked.pop((key, owner), None)
 
     def get(self, key: str) -> Lock | None:
         """The live lock at ``key``."""
@@ -140,4 +187,5 @@ class MemoryStore:
         """Forget every lock and counter (for tests)."""
         with self._mutex:
             self._locks.clear()
+            self._revoked.clear()
             self._counts.clear()

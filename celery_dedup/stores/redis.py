@@ -1,8 +1,10 @@
 """Redis lock store: one Lua script per atomic operation, one round trip each.
 
-A lock is a hash ``{owner, task, policy, at}`` with a millisecond TTL. Keys
-reach the scripts only through ``KEYS`` (so every script is single-key and
-cluster-safe) and TTLs as integer milliseconds in ``ARGV``.
+A lock is a hash ``{owner, id, task, policy, at, st}`` with a millisecond
+TTL; a revoked marker is a plain key in the lock's hash slot. Keys reach the
+scripts only through ``KEYS`` (a script touches one lock and, at most, its
+marker in the same slot, so every script is cluster-safe) and TTLs as
+integer milliseconds in ``ARGV``.
 """
 
 from __future__ import annotations
@@ -17,32 +19,43 @@ from redis.commands.core import Script
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .base import Lock, LockMeta, unavailable_on
+from .base import Claim, ClaimOutcome, Lock, LockMeta, RevokeOutcome, unavailable_on
 
 if TYPE_CHECKING:
     from celery import Celery
 
 __all__ = ["RedisStore"]
 
+# The hash of a lock: owner (token), id (holder task id), task, policy, at
+# (acquired, epoch ms) and st ("1" once the holder's message started).
+# A holder is returned as {owner, task, policy, at, pttl, id, st}; fields a
+# record lacks come back as false (0.1.0 records have no id and no st).
+
 # KEYS[1] - lock key
-# ARGV[1] - owner task id
+# ARGV[1] - owner token
 # ARGV[2] - ttl in milliseconds
 # ARGV[3] - task name
 # ARGV[4] - unlock policy
 # ARGV[5] - acquired at, epoch milliseconds
-# return nil when acquired, else {owner, task, policy, at, pttl} of the holder
+# ARGV[6] - holder task id
+# ARGV[7] - "1" to create the lock already started
+# return nil when acquired, else the holder
 ACQUIRE = """
-local holder = redis.call('hmget', KEYS[1], 'owner', 'task', 'policy', 'at')
-if holder[1] then
-    return {holder[1], holder[2], holder[3], holder[4], redis.call('pttl', KEYS[1])}
+local h = redis.call('hmget', KEYS[1], 'owner', 'task', 'policy', 'at', 'id', 'st')
+if h[1] then
+    return {h[1], h[2], h[3], h[4], redis.call('pttl', KEYS[1]), h[5], h[6]}
 end
-redis.call('hset', KEYS[1], 'owner', ARGV[1], 'task', ARGV[3], 'policy', ARGV[4], 'at', ARGV[5])
+redis.call('hset', KEYS[1], 'owner', ARGV[1], 'task', ARGV[3], 'policy', ARGV[4],
+           'at', ARGV[5], 'id', ARGV[6])
+if ARGV[7] == '1' then
+    redis.call('hset', KEYS[1], 'st', '1')
+end
 redis.call('pexpire', KEYS[1], ARGV[2])
 return false
 """
 
 # KEYS[1] - lock key
-# ARGV[1] - owner task id
+# ARGV[1] - owner token
 # return 1 if the owner held the lock and it was deleted, else 0
 RELEASE = """
 if redis.call('hget', KEYS[1], 'owner') == ARGV[1] then
@@ -52,7 +65,7 @@ return 0
 """
 
 # KEYS[1] - lock key
-# ARGV[1] - owner task id
+# ARGV[1] - owner token
 # ARGV[2] - new ttl in milliseconds
 # return 1 if the owner holds the lock and its ttl was set, else 0
 EXTEND = """
@@ -63,29 +76,88 @@ return 0
 """
 
 # KEYS[1] - lock key
-# ARGV[1..5] - as ACQUIRE
-# return nil when the key was free, else {owner, task, policy, at, pttl} of the previous holder
+# ARGV[1..6] - as ACQUIRE
+# return nil when the key was free, else the previous holder
 TAKE_OVER = """
-local holder = redis.call('hmget', KEYS[1], 'owner', 'task', 'policy', 'at')
+local h = redis.call('hmget', KEYS[1], 'owner', 'task', 'policy', 'at', 'id', 'st')
 local pttl = redis.call('pttl', KEYS[1])
 redis.call('del', KEYS[1])
-redis.call('hset', KEYS[1], 'owner', ARGV[1], 'task', ARGV[3], 'policy', ARGV[4], 'at', ARGV[5])
+redis.call('hset', KEYS[1], 'owner', ARGV[1], 'task', ARGV[3], 'policy', ARGV[4],
+           'at', ARGV[5], 'id', ARGV[6])
 redis.call('pexpire', KEYS[1], ARGV[2])
-if holder[1] then
-    return {holder[1], holder[2], holder[3], holder[4], pttl}
+if h[1] then
+    return {h[1], h[2], h[3], h[4], pttl, h[5], h[6]}
 end
 return false
 """
 
 # KEYS[1] - lock key
-# return nil when free, else {owner, task, policy, at, pttl}
+# KEYS[2] - revoked marker of the owner on this key (same hash slot)
+# ARGV[1] - owner token
+# ARGV[2] - "1" to release the owner's lock
+# ARGV[3] - ttl in milliseconds to take a free key with, or "" not to take it
+# ARGV[4..7] - task name, unlock policy, acquired at (epoch ms), holder task id
+# return {"revoked"}, {"owned"}, {"free"} or {"held", <holder>}
+CLAIM = """
+local owner = redis.call('hget', KEYS[1], 'owner')
+if redis.call('exists', KEYS[2]) == 1 then
+    if owner == ARGV[1] then
+        redis.call('del', KEYS[1])
+    end
+    return {'revoked'}
+end
+if owner == ARGV[1] then
+    if ARGV[2] == '1' then
+        redis.call('del', KEYS[1])
+    else
+        redis.call('hset', KEYS[1], 'st', '1')
+    end
+    return {'owned'}
+end
+if owner then
+    local h = redis.call('hmget', KEYS[1], 'owner', 'task', 'policy', 'at', 'id', 'st')
+    return {'held', h[1], h[2], h[3], h[4], redis.call('pttl', KEYS[1]), h[5], h[6]}
+end
+if ARGV[3] ~= '' and ARGV[2] ~= '1' then
+    redis.call('hset', KEYS[1], 'owner', ARGV[1], 'task', ARGV[4], 'policy', ARGV[5],
+               'at', ARGV[6], 'id', ARGV[7], 'st', '1')
+    redis.call('pexpire', KEYS[1], ARGV[3])
+end
+return {'free'}
+"""
+
+# KEYS[1] - lock key
+# KEYS[2] - revoked marker of the owner on this key (same hash slot)
+# ARGV[1] - owner token
+# ARGV[2] - marker ttl in milliseconds (an existing longer marker is kept)
+# return 1 released, 2 running (kept), 0 not held
+REVOKE = """
+if redis.call('pttl', KEYS[2]) < tonumber(ARGV[2]) then
+    redis.call('set', KEYS[2], '1', 'PX', ARGV[2])
+end
+local h = redis.call('hmget', KEYS[1], 'owner', 'st')
+if h[1] ~= ARGV[1] then
+    return 0
+end
+if h[2] then
+    return 2
+end
+redis.call('del', KEYS[1])
+return 1
+"""
+
+# KEYS[1] - lock key
+# return nil when free, else the holder
 GET = """
-local holder = redis.call('hmget', KEYS[1], 'owner', 'task', 'policy', 'at')
-if holder[1] then
-    return {holder[1], holder[2], holder[3], holder[4], redis.call('pttl', KEYS[1])}
+local h = redis.call('hmget', KEYS[1], 'owner', 'task', 'policy', 'at', 'id', 'st')
+if h[1] then
+    return {h[1], h[2], h[3], h[4], redis.call('pttl', KEYS[1]), h[5], h[6]}
 end
 return false
 """
+
+_HOLDER_FIELDS = ("owner", "task", "policy", "at", "id", "st")
+_REVOKE_OUTCOMES = {0: RevokeOutcome.NOT_HELD, 1: RevokeOutcome.RELEASED, 2: RevokeOutcome.RUNNING}
 
 #: The driver errors that mean "the server cannot be reached".
 UNREACHABLE: tuple[type[BaseException], ...] = (
@@ -122,6 +194,8 @@ class RedisStore:
         self._release: Script = client.register_script(RELEASE)
         self._extend: Script = client.register_script(EXTEND)
         self._take_over: Script = client.register_script(TAKE_OVER)
+        self._claim: Script = client.register_script(CLAIM)
+        self._revoke: Script = client.register_script(REVOKE)
         self._get: Script = client.register_script(GET)
 
     @classmethod
@@ -160,10 +234,18 @@ class RedisStore:
     def _k(self, key: str) -> str:
         return self.keyprefix + key
 
+    def _marker(self, key: str, owner: str) -> str:
+        """The revoked marker of ``owner`` on ``key``: a key in the lock's hash slot."""
+        physical = self._k(key)
+        opening = physical.find("{")
+        tagged = opening >= 0 and physical.find("}", opening + 2) > opening
+        return (physical if tagged else "{" + physical + "}") + ":revoked:" + owner
+
     def _lock(self, key: str, raw: Sequence[Any] | None) -> Lock | None:
         if not raw:
             return None
-        owner, task, policy, at, pttl = raw
+        owner, task, policy, at, pttl, *rest = raw
+        task_id, started = [*rest, None, None][:2]
         now = time.time()
         return Lock(
             key=key,
@@ -172,16 +254,21 @@ class RedisStore:
             acquired_at=int(at or 0) / 1000.0,
             expires_at=now + max(0, int(pttl)) / 1000.0,
             policy=_text(policy or b""),
+            task_id=_text(task_id) if task_id else _text(owner),
+            started=bool(started),
         )
 
-    def _argv(self, owner: str, ttl: float, meta: LockMeta) -> list[Any]:
+    @staticmethod
+    def _meta_argv(meta: LockMeta) -> list[Any]:
         return [
-            owner,
-            _ms(ttl),
             meta.get("task_name", ""),
             meta.get("policy", ""),
             int(time.time() * 1000),
+            meta.get("task_id", ""),
         ]
+
+    def _argv(self, owner: str, ttl: float, meta: LockMeta) -> list[Any]:
+        return [owner, _ms(ttl), *self._meta_argv(meta), meta.get("started", "")]
 
     def acquire(self, key: str, owner: str, ttl: float, meta: LockMeta) -> Lock | None:
         """Take the lock, or return the holder (one EVALSHA)."""
@@ -205,6 +292,32 @@ class RedisStore:
             raw = self._take_over(keys=[self._k(key)], args=self._argv(owner, ttl, meta))
         return self._lock(key, raw)
 
+    def claim(
+        self, key: str, owner: str, *, release: bool, ttl: float | None, meta: LockMeta
+    ) -> Claim:
+        """The worker's start check (one EVALSHA over the lock and its marker)."""
+        args = [owner, "1" if release else "", "" if ttl is None else _ms(ttl)]
+        with self._boundary():
+            raw = self._claim(
+                keys=[self._k(key), self._marker(key, owner)],
+                args=[*args, *self._meta_argv(meta)],
+            )
+        outcome = ClaimOutcome(_text(raw[0]))
+        return Claim(outcome, self._lock(key, raw[1:]) if outcome is ClaimOutcome.HELD else None)
+
+    def revoke(self, key: str, owner: str, ttl: float) -> RevokeOutcome:
+        """Mark ``owner`` revoked; release its lock unless started (one EVALSHA)."""
+        with self._boundary():
+            raw = self._revoke(
+                keys=[self._k(key), self._marker(key, owner)], args=[owner, _ms(ttl)]
+            )
+        return _REVOKE_OUTCOMES[int(raw)]
+
+    def unrevoke(self, key: str, owner: str) -> None:
+        """Delete the revoked marker of ``owner`` (one DEL)."""
+        with self._boundary():
+            self.client.delete(self._marker(key, owner))
+
     def get(self, key: str) -> Lock | None:
         """The live lock at ``key`` (one EVALSHA)."""
         with self._boundary():
@@ -224,14 +337,16 @@ class RedisStore:
             with self._boundary():
                 pipe = client.pipeline(transaction=False)
                 for physical in batch:
-                    pipe.hmget(physical, "owner", "task", "policy", "at")
+                    pipe.hmget(physical, *_HOLDER_FIELDS)
                     pipe.pttl(physical)
                 replies = pipe.execute(raise_on_error=False)
             for i, physical in enumerate(batch):
                 fields, pttl = replies[2 * i], replies[2 * i + 1]
                 if isinstance(fields, Exception) or not fields or not fields[0]:
                     continue
-                lock = self._lock(physical[len(self.keyprefix) :], [*fields, pttl])
+                owner, task, policy, at, task_id, started = fields
+                raw = [owner, task, policy, at, pttl, task_id, started]
+                lock = self._lock(physical[len(self.keyprefix) :], raw)
                 if lock is not None:
                     yield lock
 

@@ -25,7 +25,7 @@ def test_duplicate_suppressed_and_lock_released(app_factory: Any, worker_for: An
     assert second.deduplicated is True
     assert second.id == first.id
     lock = inspect_lock(first.deduplication_key, app=app)
-    assert lock is not None and lock.owner == first.id
+    assert lock is not None and lock.task_id == first.id
     worker_for(app)
     assert first.get(timeout=10) == 3
     wait_until(lambda: inspect_lock(first.deduplication_key, app=app) is None)

@@ -233,7 +233,7 @@ def test_replace_debounces(app_factory: AppFactory, worker_for: Any) -> None:
     new = render.delay(1, "v2")
     assert new.deduplicated is False and new.id != old.id
     lock = inspect_lock(new.deduplication_key, app=app)
-    assert lock is not None and lock.owner == new.id
+    assert lock is not None and lock.task_id == new.id
     worker_for(app)
     assert new.get(timeout=10) == "v2"
     wait_until(lambda: app.AsyncResult(old.id).state in (states.REVOKED, states.IGNORED))

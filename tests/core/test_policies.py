@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -56,7 +57,7 @@ def test_success_outcome(
         assert job.delay(5).deduplicated is False
     else:
         lock = inspect_lock(result.deduplication_key, app=app)
-        assert lock is not None and lock.owner == result.id and lock.policy == "expiry"
+        assert lock is not None and lock.task_id == result.id and lock.policy == "expiry"
         assert 50 < lock.ttl <= 60
         assert job.delay(5).id == result.id
 
@@ -82,25 +83,32 @@ def test_failure_outcome(
         wait_until(lambda: inspect_lock(result.deduplication_key, app=app) is None)
     else:
         lock = inspect_lock(result.deduplication_key, app=app)
-        assert lock is not None and lock.owner == result.id
+        assert lock is not None and lock.task_id == result.id
         assert job.delay(5).deduplicated is True
 
 
-def test_ignored_task_keeps_lock_until_ttl(app_factory: AppFactory, worker_for: Any) -> None:
-    """A task that raises Ignore neither succeeds nor fails: its 'finish' lock stays (TTL)."""
-    app = app_factory("p-ignore")
-    done = threading.Event()
+@pytest.mark.parametrize("until", ["success", "finish"])
+def test_ignored_task_releases_like_a_success(
+    app_factory: AppFactory, worker_for: Any, until: str
+) -> None:
+    """A body that raises Ignore ended its run: its lock is released as on success."""
+    app = app_factory(f"p-ignore-{until}")
+    runs: list[int] = []
 
-    @app.task(base=DedupTask, shared=False, unique_for=60, unique_until="finish")
+    @app.task(base=DedupTask, shared=False, unique_for=60, unique_until=until)
     def job(x: int) -> None:
-        done.set()
+        runs.append(x)
         raise Ignore()
 
     result = job.delay(1)
     worker_for(app)
-    assert done.wait(10)
-    lock = inspect_lock(result.deduplication_key, app=app)
-    assert lock is not None and lock.owner == result.id
+    deadline = time.monotonic() + 10
+    while inspect_lock(result.deduplication_key, app=app) is not None:
+        assert time.monotonic() < deadline, "an ignored run kept its lock"
+        time.sleep(0.05)
+    assert runs == [1]
+    again = job.delay(1)
+    assert again.deduplicated is False
 
 
 def test_owner_check_late_finish_keeps_newer_lock(app_factory: AppFactory, worker_for: Any) -> None:
@@ -128,7 +136,7 @@ def test_owner_check_late_finish_keeps_newer_lock(app_factory: AppFactory, worke
     b_taken.set()
     assert a.get(timeout=10) == "done"
     lock = inspect_lock(a.deduplication_key, app=app)
-    assert lock is not None and lock.owner == b.id
+    assert lock is not None and lock.task_id == b.id
     checked.set()
     assert b.get(timeout=10) == "done"
     wait_until(lambda: inspect_lock(a.deduplication_key, app=app) is None)

@@ -10,7 +10,7 @@ import pytest
 from celery import states
 
 import celery_dedup
-from celery_dedup import DedupTask, inspect_lock
+from celery_dedup import DedupTask, RevokeOutcome, inspect_lock
 
 from .conftest import AppFactory, wait_until
 
@@ -34,7 +34,7 @@ def test_retry_keeps_lock_and_extends_ttl(app_factory: AppFactory, worker_for: A
     assert retried.wait(10)
     time.sleep(0.3)
     lock = inspect_lock(result.deduplication_key, app=app)
-    assert lock is not None and lock.owner == result.id
+    assert lock is not None and lock.task_id == result.id
     assert lock.ttl > 5, "retry countdown (3 s) + unique_for (5 s) must exceed unique_for"
     assert flaky.delay(1).id == result.id
     assert result.get(timeout=15) == 1
@@ -90,7 +90,7 @@ def test_final_failure_after_retries(app_factory: AppFactory, worker_for: Any) -
             result.get(timeout=15)
     wait_until(lambda: inspect_lock(r_finish.deduplication_key, app=app) is None)
     lock = inspect_lock(r_success.deduplication_key, app=app)
-    assert lock is not None and lock.owner == r_success.id
+    assert lock is not None and lock.task_id == r_success.id
 
 
 def test_countdown_adds_delay_to_ttl(app_factory: AppFactory) -> None:
@@ -115,11 +115,11 @@ def test_celery_dedup_revoke_releases_at_once(app_factory: AppFactory) -> None:
         return None
 
     result = job.apply_async((1,), countdown=60)
-    assert celery_dedup.revoke(result) is True
+    assert celery_dedup.revoke(result) is RevokeOutcome.RELEASED
     assert inspect_lock(result.deduplication_key, app=app) is None
     fresh = job.delay(1)
     assert fresh.deduplicated is False and fresh.id != result.id
-    assert celery_dedup.revoke(result) is False  # idempotent, and owner-checked
+    assert celery_dedup.revoke(result) is RevokeOutcome.NOT_HELD  # idempotent, and owner-checked
 
 
 def test_revoke_by_id_finds_the_lock(app_factory: AppFactory) -> None:
@@ -131,7 +131,7 @@ def test_revoke_by_id_finds_the_lock(app_factory: AppFactory) -> None:
         return None
 
     result = job.delay(1)
-    assert celery_dedup.revoke(result.id, app=app) is True
+    assert celery_dedup.revoke(result.id, app=app) is RevokeOutcome.RELEASED
     assert inspect_lock(result.deduplication_key, app=app) is None
 
 
@@ -191,4 +191,4 @@ def test_expiry_policy_is_not_released_by_revoke(app_factory: AppFactory, worker
     result.revoke()
     wait_until(lambda: app.AsyncResult(result.id).state == states.REVOKED, timeout=10)
     lock = inspect_lock(result.deduplication_key, app=app)
-    assert lock is not None and lock.owner == result.id
+    assert lock is not None and lock.task_id == result.id

@@ -94,7 +94,7 @@ def test_release_action_is_owner_checked(pending: Any, celery_app: Any) -> None:
                            follow=True)
     assert "1 lock was not released" in response.content.decode()
     lock = runtime_for(celery_app).store.get(pending.deduplication_key)
-    assert lock is not None and lock.owner == pending.id
+    assert lock is not None and lock.task_id == pending.id
 
 
 def test_release_needs_delete_permission(pending: Any, celery_app: Any) -> None:

@@ -22,7 +22,7 @@ def _wait_released(store: Any, result: Any, timeout: float = 10) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         lock = store.get(result.deduplication_key)
-        if lock is None or lock.owner != result.id:
+        if lock is None or lock.task_id != result.id:
             return True
         time.sleep(0.05)
     return False

@@ -23,7 +23,7 @@ def _lock_ttl(app: Any, key: str) -> float:
     reset_runtime(app)
     result = notify.apply_async((1, "welcome"), deduplication_key=key)
     lock = runtime_for(app).store.get(result.deduplication_key)
-    assert lock is not None and lock.owner == result.id
+    assert lock is not None and lock.task_id == result.id
     return lock.ttl
 
 

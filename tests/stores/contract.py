@@ -18,13 +18,19 @@ from typing import Any
 import pytest
 
 from celery_dedup.stores import store_from_url
-from celery_dedup.stores.base import CounterSupport, Lock, LockStore
+from celery_dedup.stores.base import (
+    ClaimOutcome,
+    CounterSupport,
+    Lock,
+    LockStore,
+    RevokeOutcome,
+)
 from tests.fixtures._store_case import StoreCase
 
 __all__ = ["StoreContract"]
 
-META = {"task_name": "tests.add", "policy": "success"}
-OTHER_META = {"task_name": "tests.other", "policy": "finish"}
+META = {"task_name": "tests.add", "policy": "success", "task_id": "id-a"}
+OTHER_META = {"task_name": "tests.other", "policy": "finish", "task_id": "id-b"}
 
 RACE_WORKERS = 8
 RACE_KEYS = [f"race:{i:03d}" for i in range(200)]
@@ -232,6 +238,159 @@ class StoreContract:
             ("tests.add", "deduplicated"): 1,
             ("tests.other", "released"): 4,
         }
+
+    # -- ownership: task id, start check, revoke ---------------------------
+
+    def test_lock_reports_task_id_and_not_started(self, store_case: StoreCase) -> None:
+        """A lock keeps the holder's task id apart from its owner token; it starts unstarted."""
+        store = store_case.store
+        assert store.acquire("o:tid", "token-a", 30, META) is None
+        lock = store.get("o:tid")
+        assert lock is not None
+        assert (lock.owner, lock.task_id, lock.started) == ("token-a", "id-a", False)
+        holder = store.acquire("o:tid", "token-b", 30, {**OTHER_META, "task_id": "id-a"})
+        assert holder is not None and (holder.owner, holder.task_id) == ("token-a", "id-a")
+        # Two tokens under one task id (deterministic ids) never release each other.
+        assert store.release("o:tid", "token-b") is False
+        assert store.release("o:tid", "id-a") is False
+        assert store.release("o:tid", "token-a") is True
+        previous = store.take_over("o:tid2", "token-a", 30, META)
+        assert previous is None
+        previous = store.take_over("o:tid2", "token-b", 30, {**META, "task_id": "id-a"})
+        assert previous is not None and previous.owner == "token-a"
+        lock = store.get("o:tid2")
+        assert lock is not None and (lock.owner, lock.task_id, lock.started) == (
+            "token-b", "id-a", False,
+        )
+
+    def test_acquire_started(self, store_case: StoreCase) -> None:
+        """meta started=1 creates a lock that is already started."""
+        store = store_case.store
+        assert store.acquire("o:st", "token-a", 30, {**META, "started": "1"}) is None
+        lock = store.get("o:st")
+        assert lock is not None and lock.started is True
+
+    def test_claim_owned_marks_started_and_keeps_ttl(self, store_case: StoreCase) -> None:
+        """The holder's claim marks the lock started; the lock stays with its TTL."""
+        store = store_case.store
+        assert store.acquire("c:own", "token-a", 30, META) is None
+        claim = store.claim("c:own", "token-a", release=False, ttl=99, meta=META)
+        assert claim.outcome is ClaimOutcome.OWNED and claim.holder is None
+        lock = store.get("c:own")
+        assert lock is not None and lock.owner == "token-a" and lock.started is True
+        assert 25 < lock.ttl <= 30.001
+        assert store.extend("c:own", "token-a", 50) is True
+        lock = store.get("c:own")
+        assert lock is not None and lock.started is True and lock.task_id == "id-a"
+
+    def test_claim_owned_release(self, store_case: StoreCase) -> None:
+        """A claim with release deletes the holder's own lock in the same call."""
+        store = store_case.store
+        assert store.acquire("c:rel", "token-a", 30, META) is None
+        claim = store.claim("c:rel", "token-a", release=True, ttl=None, meta=META)
+        assert claim.outcome is ClaimOutcome.OWNED
+        assert store.get("c:rel") is None
+
+    def test_claim_held_by_other(self, store_case: StoreCase) -> None:
+        """A claim by another token reports the holder and changes nothing."""
+        store = store_case.store
+        assert store.acquire("c:held", "token-a", 30, META) is None
+        for release in (False, True):
+            claim = store.claim("c:held", "token-b", release=release, ttl=30, meta=OTHER_META)
+            assert claim.outcome is ClaimOutcome.HELD
+            assert claim.holder is not None
+            assert (claim.holder.owner, claim.holder.task_id) == ("token-a", "id-a")
+        lock = store.get("c:held")
+        assert lock is not None and lock.owner == "token-a" and lock.started is False
+
+    def test_claim_free(self, store_case: StoreCase) -> None:
+        """On a free key a claim with a ttl takes it, started; without one it takes nothing."""
+        store = store_case.store
+        claim = store.claim("c:free", "token-a", release=False, ttl=30, meta=META)
+        assert claim.outcome is ClaimOutcome.FREE
+        lock = store.get("c:free")
+        assert lock is not None
+        assert (lock.owner, lock.task_id, lock.started, lock.policy) == (
+            "token-a", "id-a", True, "success",
+        )
+        assert 25 < lock.ttl <= 30.001
+        claim = store.claim("c:free2", "token-a", release=False, ttl=None, meta=META)
+        assert claim.outcome is ClaimOutcome.FREE
+        assert store.get("c:free2") is None
+        claim = store.claim("c:free3", "token-a", release=True, ttl=30, meta=META)
+        assert claim.outcome is ClaimOutcome.FREE
+        assert store.get("c:free3") is None
+
+    def test_revoke_unstarted_releases_and_blocks_start(self, store_case: StoreCase) -> None:
+        """Revoking a queued holder frees the key at once, and its token can never start."""
+        store = store_case.store
+        assert store.acquire("r:q", "token-a", 30, META) is None
+        assert store.revoke("r:q", "token-a", 60) is RevokeOutcome.RELEASED
+        assert store.get("r:q") is None
+        # A new run of the same key (same task id: a deterministic id) is unaffected.
+        assert store.acquire("r:q", "token-b", 30, META) is None
+        claim = store.claim("r:q", "token-a", release=False, ttl=30, meta=META)
+        assert claim.outcome is ClaimOutcome.REVOKED
+        lock = store.get("r:q")
+        assert lock is not None and lock.owner == "token-b"
+        assert store.claim("r:q", "token-b", release=False, ttl=30, meta=META).outcome is (
+            ClaimOutcome.OWNED
+        )
+        assert store.release("r:q", "token-b") is True
+        # Key free again: the revoked token still cannot start (nor take it).
+        for release in (False, True):
+            claim = store.claim("r:q", "token-a", release=release, ttl=30, meta=META)
+            assert claim.outcome is ClaimOutcome.REVOKED
+        assert store.get("r:q") is None
+
+    def test_revoke_started_keeps_lock(self, store_case: StoreCase) -> None:
+        """Revoking a running holder keeps its lock; a later claim by it is refused and frees."""
+        store = store_case.store
+        assert store.acquire("r:run", "token-a", 30, META) is None
+        store.claim("r:run", "token-a", release=False, ttl=30, meta=META)
+        assert store.revoke("r:run", "token-a", 60) is RevokeOutcome.RUNNING
+        lock = store.get("r:run")
+        assert lock is not None and lock.owner == "token-a"
+        holder = store.acquire("r:run", "token-b", 30, META)
+        assert holder is not None and holder.owner == "token-a"
+        # A retry of the revoked run (same token) does not start again.
+        claim = store.claim("r:run", "token-a", release=False, ttl=30, meta=META)
+        assert claim.outcome is ClaimOutcome.REVOKED
+        assert store.get("r:run") is None
+
+    def test_revoke_not_held_and_unrevoke(self, store_case: StoreCase) -> None:
+        """Revoking a token that holds nothing still blocks its start; unrevoke undoes that."""
+        store = store_case.store
+        assert store.acquire("r:other", "token-b", 30, META) is None
+        assert store.revoke("r:other", "token-a", 60) is RevokeOutcome.NOT_HELD
+        lock = store.get("r:other")
+        assert lock is not None and lock.owner == "token-b"
+        assert store.revoke("r:none", "token-a", 60) is RevokeOutcome.NOT_HELD
+        assert store.claim("r:none", "token-a", release=False, ttl=None, meta=META).outcome is (
+            ClaimOutcome.REVOKED
+        )
+        store.unrevoke("r:none", "token-a")
+        store.unrevoke("r:none", "token-a")
+        assert store.claim("r:none", "token-a", release=False, ttl=None, meta=META).outcome is (
+            ClaimOutcome.FREE
+        )
+        # Markers are not locks: scan never lists them.
+        assert [lock.key for lock in store.scan("r:")] == ["r:other"]
+
+    def test_revoked_marker_expires(self, store_case: StoreCase) -> None:
+        """A revoked marker lives its ttl, then the token may start again."""
+        store = store_case.store
+        assert store.revoke("r:exp", "token-a", 1) is RevokeOutcome.NOT_HELD
+        assert store.claim("r:exp", "token-a", release=False, ttl=None, meta=META).outcome is (
+            ClaimOutcome.REVOKED
+        )
+        deadline = time.monotonic() + 5
+        while True:
+            outcome = store.claim("r:exp", "token-a", release=False, ttl=None, meta=META).outcome
+            if outcome is ClaimOutcome.FREE:
+                break
+            assert time.monotonic() < deadline, "revoked marker did not expire"
+            time.sleep(0.1)
 
     def test_concurrent_acquire_has_one_winner_per_key(self, store_case: StoreCase) -> None:
         """8 processes (threads for an in-process store) racing for 200 keys: one winner per key."""

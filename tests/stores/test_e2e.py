@@ -123,7 +123,7 @@ def test_worker_runs_once_and_releases_per_policy(e2e: E2E, store_case: StoreCas
         key = dedup_key_for(task, (1,))
         assert first.deduplication_key == second.deduplication_key == key
         holder = store_case.store.get(key)
-        assert holder is not None and holder.owner == first.id, policy
+        assert holder is not None and holder.task_id == first.id, policy
         assert holder.task_name == task.name and holder.policy == policy
         firsts[policy] = first
 
@@ -136,11 +136,11 @@ def test_worker_runs_once_and_releases_per_policy(e2e: E2E, store_case: StoreCas
     wait_for(lambda: store_case.store.get(success_key) is None)
     assert e2e.runs == dict.fromkeys(POLICIES, 1)
     # "success" held its lock while running, "start" had already released it.
-    assert e2e.seen["success"] is not None and e2e.seen["success"].owner == firsts["success"].id
+    assert e2e.seen["success"] is not None and e2e.seen["success"].task_id == firsts["success"].id
     assert e2e.seen["start"] is None
     assert store_case.store.get(firsts["start"].deduplication_key) is None
     expiry = store_case.store.get(firsts["expiry"].deduplication_key)
-    assert expiry is not None and expiry.owner == firsts["expiry"].id and expiry.ttl > 30
+    assert expiry is not None and expiry.task_id == firsts["expiry"].id and expiry.ttl > 30
 
     again = e2e.tasks["success"].delay(1)
     assert again.deduplicated is False and again.id != firsts["success"].id

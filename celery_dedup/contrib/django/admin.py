@@ -49,12 +49,12 @@ class LockRow:
         self.task_name = lock.task_name
         self.key = lock.key
         self.digest = lock.key.rsplit(":", 1)[-1][:16]
-        self.owner = lock.owner
+        self.owner = lock.task_id
         self.policy = lock.policy
         self.expires_in = _duration(lock.ttl)
         self.result_url = result_url
         #: the checkbox value: key and the holder seen, for the owner check
-        self.value = json.dumps([lock.key, lock.owner])
+        self.value = json.dumps([lock.key, lock.task_id])
 
 
 def _duration(seconds: float) -> str:
@@ -177,7 +177,7 @@ class DedupLockAdmin(admin.ModelAdmin):  # type: ignore[misc]
         shown = [lock for lock in locks if _matches(lock, query, task)]
         truncated = len(shown) > MAX_ROWS
         shown = shown[:MAX_ROWS]
-        result_urls = self._result_urls(lock.owner for lock in shown)
+        result_urls = self._result_urls(lock.task_id for lock in shown)
         actions = self.get_actions(request)
         context = {
             **self.admin_site.each_context(request),
@@ -186,7 +186,7 @@ class DedupLockAdmin(admin.ModelAdmin):  # type: ignore[misc]
             "subtitle": None,
             "store": store,
             "prefix": prefix,
-            "rows": [LockRow(lock, result_urls.get(lock.owner)) for lock in shown],
+            "rows": [LockRow(lock, result_urls.get(lock.task_id)) for lock in shown],
             "total": len(locks),
             "truncated": truncated,
             "max_rows": MAX_ROWS,
@@ -251,7 +251,7 @@ def _matches(lock: Lock, query: str, task: str) -> bool:
     if not query:
         return True
     query = query.lower()
-    return any(query in field.lower() for field in (lock.task_name, lock.key, lock.owner))
+    return any(query in field.lower() for field in (lock.task_name, lock.key, lock.task_id))
 
 
 def _parse_selected(values: Iterable[str]) -> list[tuple[str, str]]:

@@ -51,6 +51,7 @@ CHECK_IDS: Final[Mapping[str, str]] = {
     "dedup_send_events": "celery_dedup.E008",
     "dedup_metrics_flush_interval": "celery_dedup.E011",
     "dedup_native": "celery_dedup.E012",
+    "dedup_revoked_ttl": "celery_dedup.E013",
 }
 E_UNKNOWN_SCHEME: Final = "celery_dedup.E009"
 E_STORE_OPTIONS: Final = "celery_dedup.E010"

@@ -94,7 +94,7 @@ class Command(BaseCommand):  # type: ignore[misc]
         locks = self._scan(store, prefix, None)
         matches = [lock for lock in locks if _digest(lock.key).startswith(key_or_id.lower())]
         if not matches and by_owner:
-            matches = [lock for lock in locks if lock.owner == key_or_id]
+            matches = [lock for lock in locks if lock.task_id == key_or_id]
         if not matches:
             what = "key, digest or holder task id" if by_owner else "key or digest"
             raise CommandError(f"no live lock matches the {what} {key_or_id!r}")
@@ -124,7 +124,7 @@ class Command(BaseCommand):  # type: ignore[misc]
         """One lock and its holder's state."""
         app, store, prefix = self._setup()
         lock = self._find(store, prefix, key_or_task_id, by_owner=True)
-        data = lock_dict(lock, holder_state(app, lock.owner))
+        data = lock_dict(lock, holder_state(app, lock.task_id))
         if as_json:
             self.stdout.write(dumps(data))
             return
@@ -135,15 +135,15 @@ class Command(BaseCommand):  # type: ignore[misc]
         """Release one lock, owner-checked; a running holder's needs ``--force``."""
         app, store, prefix = self._setup()
         lock = self._find(store, prefix, key, by_owner=False)
-        running, state = is_running(app, lock.owner)
+        running, state = is_running(app, lock.task_id)
         if running and not force:
             raise CommandError(
-                f"lock {short(lock.key)} is held by {lock.task_name}[{lock.owner}], which is "
+                f"lock {short(lock.key)} is held by {lock.task_name}[{lock.task_id}], which is "
                 f"running ({state}); pass --force to release it anyway"
             )
         if release(lock.key, owner=lock.owner, app=app):
             self.stdout.write(self.style.SUCCESS(
-                f"released {short(lock.key)} held by {lock.task_name}[{lock.owner}] ({state})"
+                f"released {short(lock.key)} held by {lock.task_name}[{lock.task_id}] ({state})"
             ))
         else:
             self.stdout.write(
@@ -157,7 +157,7 @@ class Command(BaseCommand):  # type: ignore[misc]
         app, store, prefix = self._setup()
         locks = self._scan(store, prefix, task)
         if expired:
-            locks = [lock for lock in locks if holder_state(app, lock.owner) in FINISHED_STATES]
+            locks = [lock for lock in locks if holder_state(app, lock.task_id) in FINISHED_STATES]
         if not locks:
             self.stdout.write("No locks to purge.")
             return
