@@ -49,7 +49,8 @@ def dedup_key_for(
     if "unique_for" in given and given["unique_for"] is None:
         return None
     call = task.dedup_config().resolve(given)
-    return task.dedup_key(args, kwargs, call, call_options.get("queue"))
+    queue = task.routed_queue(call_options, args, kwargs)
+    return task.dedup_key(args, kwargs, call, queue, call_options.get("serializer"))
 
 
 def inspect_lock(key: str, *, app: Celery | None = None) -> Lock | None:

@@ -23,6 +23,7 @@ from .exceptions import DedupKeyError, InvalidOptionError
 __all__ = [
     "ArgumentBinder",
     "Identity",
+    "as_delivered",
     "canonical_json",
     "deterministic_task_id",
     "digest",
@@ -133,8 +134,31 @@ def canonical_json(value: Any, argument: str = "value") -> str:
 
 
 def digest(material: str) -> str:
-    """sha256 hex digest of ``material``."""
-    return hashlib.sha256(material.encode("utf-8")).hexdigest()
+    """sha256 hex digest of ``material`` (lone surrogates kept, as JSON keeps them)."""
+    return hashlib.sha256(material.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+#: Serializers whose round trip changes nothing a key depends on.
+_IDENTITY_SERIALIZERS: Final = frozenset({"pickle"})
+
+
+def as_delivered(
+    args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None, serializer: str
+) -> tuple[Sequence[Any], Mapping[str, Any]]:
+    """The arguments as the worker will receive them: through ``serializer`` and back.
+
+    So the producer's key and the worker's (``send_task`` guard, native
+    mode) agree by construction: ``{1: 9.5}`` is keyed as ``{"1": 9.5}``
+    under JSON, where the task receives exactly that. A value the serializer
+    cannot encode raises the serializer's error, as publishing it would.
+    """
+    if serializer in _IDENTITY_SERIALIZERS:
+        return args or (), kwargs or {}
+    from kombu.serialization import dumps, loads
+
+    content_type, encoding, data = dumps([list(args or ()), dict(kwargs or {})], serializer)
+    delivered_args, delivered_kwargs = loads(data, content_type, encoding)
+    return delivered_args, delivered_kwargs
 
 
 def lock_key(prefix: str, task_name: str, material: str) -> str:
@@ -217,12 +241,32 @@ class ArgumentBinder:
             raise DedupKeyError(
                 f"{self.task_name}: {exc}", argument=exc.argument, task_name=self.task_name
             ) from None
+        except RecursionError:
+            name = next(
+                (name for name, value in arguments.items() if _too_deep(value, name)), "?"
+            )
+            raise DedupKeyError(
+                f"{self.task_name}: argument {name!r} nests too deeply to be part of a "
+                "deduplication key; pass deduplication_key= or restrict unique_on=",
+                argument=name,
+                task_name=self.task_name,
+            ) from None
         return json.dumps(
             ["strict", self.task_name, queue, canonical_args],
             sort_keys=True,
             separators=(",", ":"),
             ensure_ascii=False,
         )
+
+
+def _too_deep(value: Any, name: str) -> bool:
+    try:
+        _canonical(value, name)
+    except RecursionError:
+        return True
+    except DedupKeyError:
+        return False
+    return False
 
 
 def caller_key_material(key: str) -> str:

@@ -14,6 +14,7 @@ from celery.utils import uuid
 
 from . import events, native, worker
 from .exceptions import (
+    DeduplicationUnavailable,
     DuplicateTaskError,
     InvalidOptionError,
     MissingDeduplicationKey,
@@ -23,6 +24,7 @@ from .header import HEADER, NO_LOCK, LockHeader, new_token, read_header
 from .identity import (
     ArgumentBinder,
     Identity,
+    as_delivered,
     caller_key_material,
     deterministic_task_id,
     lock_key,
@@ -88,6 +90,10 @@ class TaskConfig:
     binder: ArgumentBinder
     #: the queue a call goes to when it names none (task ``queue`` or the app default)
     default_queue: str
+    #: whether a call naming no queue must be routed (``task_routes`` applies)
+    routed: bool = False
+    #: the task's serializer: keys are computed on the arguments it delivers
+    serializer: str = "json"
 
     def resolve(self, given: Mapping[str, Any]) -> ResolvedOptions:
         """Apply one call's options (already validated) over the task's."""
@@ -187,6 +193,8 @@ class DedupTask(_Task):
             default_queue=str(
                 getattr(self, "queue", None) or self.app.conf.task_default_queue or "celery"
             ),
+            routed=bool(self.app.conf.task_routes) and not getattr(self, "queue", None),
+            serializer=str(self.serializer or self.app.conf.task_serializer or "json"),
         )
 
     # -- keys --------------------------------------------------------------
@@ -197,14 +205,25 @@ class DedupTask(_Task):
         kwargs: Mapping[str, Any] | None,
         call: ResolvedOptions,
         queue: Any = None,
+        serializer: str | None = None,
     ) -> str | None:
-        """The lock key of a call, or ``None`` when the call takes no lock."""
+        """The lock key of a call, or ``None`` when the call takes no lock.
+
+        Computed on the arguments as ``serializer`` (default: the task's)
+        delivers them and on ``queue``, the queue the call is routed to
+        (see ``routed_queue``), so every path computes the same key.
+        """
         config = self.dedup_config()
+        try:
+            args, kwargs = as_delivered(args, kwargs, serializer or config.serializer)
+        except Exception:
+            # Name the offending argument when the canonical form can (a set,
+            # an object); otherwise fail as publishing it would.
+            config.binder.identity(None, args, kwargs)
+            raise
         caller_key = call.deduplication_key
         if caller_key is None and config.key_callable is not None:
-            caller_key = validate_key(
-                config.key_callable(*(args or ()), **(kwargs or {})), "deduplication_key"
-            )
+            caller_key = validate_key(config.key_callable(*args, **kwargs), "deduplication_key")
         prefix = config.runtime.settings.key_prefix
         if caller_key is not None:
             return lock_key(prefix, self.name, caller_key_material(caller_key))
@@ -214,6 +233,30 @@ class DedupTask(_Task):
             return None
         queue_name = getattr(queue, "name", queue) or config.default_queue
         return lock_key(prefix, self.name, config.binder.identity(queue_name, args, kwargs))
+
+    def routed_queue(
+        self,
+        options: Mapping[str, Any],
+        args: Sequence[Any] | None,
+        kwargs: Mapping[str, Any] | None,
+    ) -> str:
+        """The name of the queue a call is published to, as ``send_task`` routes it.
+
+        An explicit ``queue`` wins, then the task's own ``queue``, then
+        ``task_routes`` (routers may look at the arguments), then
+        ``task_default_queue``.
+        """
+        queue = options.get("queue")
+        if queue is not None:
+            return str(getattr(queue, "name", queue))
+        config = self.dedup_config()
+        if not config.routed:
+            return config.default_queue
+        router: Any = self.app.amqp.router
+        routed = router.route(dict(options), self.name, tuple(args or ()), dict(kwargs or {}), self)
+        target = routed.get("queue")
+        name = getattr(target, "name", None) or routed.get("routing_key")
+        return str(name or config.default_queue)
 
     # -- enqueue -----------------------------------------------------------
 
@@ -256,11 +299,10 @@ class DedupTask(_Task):
         if given.get("unique_for", ...) is None:
             return mark_result(publish(task_id or uuid(), NO_LOCK), None)
         call = config.resolve(given)
-        queue = options.get("queue")
-        key = self.dedup_key(args, kwargs, call, queue)
+        queue_name = self.routed_queue(options, args, kwargs)
+        key = self.dedup_key(args, kwargs, call, queue_name, options.get("serializer"))
         if key is None:
             return mark_result(publish(task_id or uuid(), NO_LOCK), None)
-        queue_name = str(getattr(queue, "name", queue) or config.default_queue)
         settings = config.runtime.settings
         if native.uses_native(settings.native, settings.broker_scheme, queue_name):
             return self._publish_native(call, key, queue_name, task_id, options, publish)
@@ -305,36 +347,35 @@ class DedupTask(_Task):
         runtime = self.dedup_config().runtime
         assert call.unique_for is not None
         ttl = lock_ttl(call.unique_for, countdown=options.get("countdown"), eta=options.get("eta"))
+        canvas_key = call.deduplication_key is not None and _is_canvas(options)
+        # A canvas has no single end its lock could be released at: a key
+        # given to a chain or a group holds the canvas as one unit for unique_for.
+        until = UniqueUntil.EXPIRY if canvas_key else call.unique_until
         header = LockHeader(
             key=key,
-            until=call.unique_until,
+            until=until,
             unique_for=call.unique_for,
             replace=call.on_duplicate is OnDuplicate.REPLACE,
             token=new_token(),
         )
         owner = header.owner(task_id)
-        meta = worker.meta_for(self, task_id, call.unique_until)
+        holder_id = str(options.get("group_id") or task_id) if canvas_key else task_id
+        meta = worker.meta_for(self, holder_id, until)
         previous: Lock | None = None
         holder: Lock | None = None
         try:
             store = runtime.store
             if store is None:
-                runtime.fall_back(self.name, None)
-                return mark_result(publish(task_id, NO_LOCK), key)
+                return self._publish_unlocked(None, key, task_id, publish)
             if header.replace:
                 previous = self._take_over(store, key, owner, ttl, meta)
             else:
                 holder = store.acquire(key, owner, ttl, meta)
         except StoreUnavailable as exc:
-            runtime.fall_back(self.name, exc)
-            return mark_result(publish(task_id, NO_LOCK), key)
+            return self._publish_unlocked(exc, key, task_id, publish)
 
         if holder is not None:
-            if _is_canvas_member(options) or self._carries_chain_worker_side(options):
-                # Celery froze this member's id and a chord counts on it; or the
-                # message carries the rest of a chain, which suppressing would drop.
-                return mark_result(publish(task_id, NO_LOCK), key)
-            return self._duplicate(call, key, holder, task_id, args, kwargs, options)
+            return self._held(call, key, holder, task_id, args, kwargs, options, publish)
 
         runtime.metrics.incr(self.name, "acquired")
         lock_acquired.send(
@@ -349,6 +390,76 @@ class DedupTask(_Task):
         if previous is not None:
             self._revoke_replaced(key, task_id, previous)
         return mark_result(result, key)
+
+    def _publish_unlocked(
+        self,
+        error: StoreUnavailable | None,
+        key: str,
+        task_id: str,
+        publish: Callable[[str, LockHeader], Any],
+    ) -> Any:
+        """No lock could be taken: apply ``dedup_fallback``, then publish.
+
+        A publish from inside a worker (a chain step, a callback, a chord
+        body) is never refused: the parent already did its work, and
+        failing it for a dedup reason would fail its whole canvas.
+        """
+        try:
+            self.dedup_config().runtime.fall_back(self.name, error)
+        except DeduplicationUnavailable as exc:
+            if self.app.current_worker_task is None:
+                raise
+            logger.warning(
+                "celery-dedup: %s published without a lock from inside a worker "
+                "(dedup_fallback='closed' never fails the parent task): %s",
+                self.name,
+                exc,
+            )
+        return mark_result(publish(task_id, NO_LOCK), key)
+
+    def _held(
+        self,
+        call: ResolvedOptions,
+        key: str,
+        holder: Lock,
+        task_id: str,
+        args: Any,
+        kwargs: Any,
+        options: Mapping[str, Any],
+        publish: Callable[[str, LockHeader], Any],
+    ) -> Any:
+        """What a call whose key is held does.
+
+        A call that cannot be suppressed without losing work is published
+        without a lock: a chord member or body (a chord counts on it), a
+        worker-side step that carries the rest of its chain, a group member
+        (Celery froze its id) unless its group was given a key another call
+        holds. A duplicate canvas published outside a worker (a chain's first
+        step, the first member of a keyed group) raises ``DuplicateTaskError``
+        whatever ``on_duplicate`` says: Celery returns the canvas' result
+        before the first step is published, so nothing can stand in for it.
+        """
+        canvas = _is_canvas(options)
+        if (
+            options.get("chord")
+            or self._carries_chain_worker_side(options)
+            or (canvas and self._must_not_raise(options))
+        ):
+            return mark_result(publish(task_id, NO_LOCK), key)
+        group_id = options.get("group_id")
+        if group_id is not None and (
+            call.deduplication_key is None
+            or holder.task_id == group_id
+            or options.get("group_index")
+        ):
+            return mark_result(publish(task_id, NO_LOCK), key)
+        return self._duplicate(call, key, holder, task_id, args, kwargs, options, canvas=canvas)
+
+    def _must_not_raise(self, options: Mapping[str, Any]) -> bool:
+        """Inside a worker or beat, raising would fail the parent task or the schedule."""
+        return self.app.current_worker_task is not None or bool(
+            (options.get("headers") or {}).get("celery_beat_task")
+        )
 
     def _take_over(
         self, store: LockStore, key: str, owner: str, ttl: float, meta: Mapping[str, str]
@@ -443,6 +554,8 @@ class DedupTask(_Task):
         args: Any,
         kwargs: Any,
         options: Mapping[str, Any],
+        *,
+        canvas: bool = False,
     ) -> DeduplicatedResult:
         """Report a suppressed call, then return the holder's result or raise."""
         runtime = self.dedup_config().runtime
@@ -473,10 +586,8 @@ class DedupTask(_Task):
                 args=args,
                 kwargs=kwargs,
             )
-        must_not_raise = self.app.current_worker_task is not None or (
-            (options.get("headers") or {}).get("celery_beat_task")
-        )
-        if call.on_duplicate is OnDuplicate.RAISE and not must_not_raise:
+        raises = canvas or call.on_duplicate is OnDuplicate.RAISE
+        if raises and not self._must_not_raise(options):
             raise DuplicateTaskError(
                 task_name=self.name, key=key, existing_task_id=holder.task_id, ttl=holder.ttl
             )
@@ -586,5 +697,6 @@ def _takes_over_lock(task: DedupTask, sig: Any) -> bool:
     return target is not None and hasattr(target, "dedup_config")
 
 
-def _is_canvas_member(options: Mapping[str, Any]) -> bool:
-    return bool(options.get("group_id") or options.get("chord"))
+def _is_canvas(options: Mapping[str, Any]) -> bool:
+    """A group member or a chain's first step (not a chord: chords publish members anyway)."""
+    return bool((options.get("group_id") or options.get("chain")) and not options.get("chord"))

@@ -206,8 +206,12 @@ def guard_header(
 ) -> LockHeader | None:
     """The header the worker runs a message without one under (``send_task``).
 
-    Its owner is derived from the task id, so a redelivery of the same
-    message owns the lock it took, and the main process can release it.
+    The guard is a throttle: its lock lives ``unique_for`` from the first
+    unannounced copy whatever the task's ``unique_until``, so copies that
+    do not overlap in time (two beat instances firing the same slot) still
+    run the work once. Its owner is derived from the task id, so a
+    redelivery of the same message owns the lock it took, and the main
+    process can release it.
     """
     config = task.dedup_config()
     call = config.resolve({})
@@ -219,7 +223,9 @@ def guard_header(
     if key is None:
         return None
     return LockHeader(
-        key=key, until=call.unique_until, unique_for=config.unique_for,
+        key=key,
+        until=UniqueUntil.EXPIRY,
+        unique_for=config.unique_for,
         token=GUARD_PREFIX + task_id,
     )
 
@@ -255,7 +261,7 @@ def claim_at_start(task: DedupTask, task_id: str, args: Any, kwargs: Any) -> Hel
             return None
         return Held(store, header, key, owner, task_id)
     guarded = owner.startswith(GUARD_PREFIX)
-    release_now = until is UniqueUntil.START and not guarded
+    release_now = until is UniqueUntil.START
     retake = guarded or until in (UniqueUntil.SUCCESS, UniqueUntil.FINISH)
     try:
         claim = store.claim(
@@ -285,9 +291,6 @@ def claim_at_start(task: DedupTask, task_id: str, args: Any, kwargs: Any) -> Hel
     if release_now:
         if claim.outcome is ClaimOutcome.OWNED:
             _count_release(task, key, task_id, "start")
-        return None
-    if guarded and until is UniqueUntil.START:
-        release(task, store, key, owner, task_id, "start")
         return None
     if guarded:
         _remember_guard(request, header)

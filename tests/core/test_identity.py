@@ -71,11 +71,22 @@ def test_dict_keys_sorted_recursively_arrays_ordered(app: Celery) -> None:
 
 
 def test_int_and_str_never_collide(app: Celery) -> None:
-    """1, "1", 1.0 and True are four identities; int and str dict keys differ too."""
+    """1, "1", 1.0 and True are four identities: JSON delivers each as itself."""
     task = make_task(app)
     keys = {dedup_key_for(task, (value,)) for value in (1, "1", 1.0, True)}
     assert len(keys) == 4
-    assert dedup_key_for(task, ({1: "x"},)) != dedup_key_for(task, ({"1": "x"},))
+
+
+def test_dict_keys_are_keyed_as_the_serializer_delivers_them(app: Celery) -> None:
+    """JSON delivers {1: x} as {"1": x}: one identity; pickle keeps them apart."""
+    task = make_task(app)
+    assert dedup_key_for(task, ({1: "x"},)) == dedup_key_for(task, ({"1": "x"},))
+    assert dedup_key_for(task, ((1, 2),)) == dedup_key_for(task, ([1, 2],))
+    pickled = make_task(app, serializer="pickle", name="pickled")
+    assert dedup_key_for(pickled, ({1: "x"},)) != dedup_key_for(pickled, ({"1": "x"},))
+    assert dedup_key_for(task, ({1: "x"},), serializer="pickle") != dedup_key_for(
+        task, ({"1": "x"},), serializer="pickle"
+    )
 
 
 def test_user_dict_cannot_forge_a_tagged_value(app: Celery) -> None:

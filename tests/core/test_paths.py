@@ -214,7 +214,13 @@ def test_send_task_is_guarded_in_the_worker(app_factory: AppFactory, worker_for:
     assert runs == [1]
     alone = app.send_task(sync.name, args=(2,))
     assert alone.get(timeout=10) == 2
-    wait_until(lambda: inspect_lock(dedup_key_for(sync, (2,)) or "", app=app) is None)
+    # The guard is a throttle: a later copy that does not overlap is skipped too.
+    lock = inspect_lock(dedup_key_for(sync, (2,)) or "", app=app)
+    assert lock is not None and lock.task_id == alone.id and lock.policy == "expiry"
+    assert 25 < lock.ttl <= 30
+    later = app.send_task(sync.name, args=(2,))
+    wait_until(lambda: app.AsyncResult(later.id).state == states.IGNORED)
+    assert runs == [1, 2]
 
 
 def test_replace_debounces(app_factory: AppFactory, worker_for: Any) -> None:
