@@ -208,6 +208,8 @@ def unavailable_on(
     """
     try:
         yield
+    except StoreUnavailable:
+        raise  # already translated (and an OSError itself): never wrap twice
     except errors as exc:
         where = describe() if describe is not None else store
         raise StoreUnavailable(

@@ -1,66 +1,93 @@
 """Django-cache lock store: ``django-cache`` (the default cache) or ``django-cache://alias``.
 
-On Django's ``PyMemcacheCache`` it speaks the memcached protocol of
-``stores/memcached.py`` through the cache's own client, and on ``RedisCache``
-the Redis store's Lua scripts; any other backend gets ``cache.add`` to
-acquire and a check-then-write for release/extend/take-over (the race is
-documented on ``_GenericCacheLocks``). Django loads inside the functions
-that use it, never at module import.
+On Django's ``PyMemcacheCache`` it is the memcached store (``stores/memcached.py``)
+on the cache's servers, options and key prefix, with its own per-process
+clients; on ``RedisCache`` the Redis store's Lua scripts on the cache's
+client. Any other backend gets the same algorithms as memcached over the
+plain cache API (``add``, ``get_many``, ``set``, ``delete``), which has no
+compare-and-set: see ``CacheGuarantee`` for what each backend then promises.
+Django loads inside the functions that use it, never at module import.
 """
 
 from __future__ import annotations
 
-import math
+import os
+import pickle
 import socket
+import threading
 import time
-from collections.abc import Iterator, Mapping
+import zlib
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from enum import Enum
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
-from ..exceptions import ImproperlyConfigured, ScanNotSupported, StoreUnavailable
-from .base import Lock, LockMeta, LockStore, unavailable_on
+from ..exceptions import ImproperlyConfigured, ScanNotSupported
+from .base import Claim, Lock, LockMeta, LockStore, RevokeOutcome, unavailable_on
 from .memcached import (
-    E_CONTENDED,
     E_NO_SCAN,
     MAX_KEY_LENGTH,
+    MAX_UNIX_EXPIRY,
+    SCAN_BATCH,
+    TRANSPORT_OPTIONS,
+    CacheLocks,
     MemcachedStore,
+    Slot,
     _decode,
-    _encode,
     _safe_key,
-    _with_meta,
+    expiry_for,
     parse_servers,
 )
 
 if TYPE_CHECKING:
     from celery import Celery
 
-__all__ = ["DjangoCacheStore"]
+__all__ = ["CacheGuarantee", "DjangoCacheStore"]
 
 E_DUMMY_CACHE = (
     "django-cache://{alias} is a DummyCache, which stores nothing: it cannot hold a lock. "
     "Point dedup_store at a real cache."
 )
 E_UNKNOWN_ALIAS = "django-cache://{alias}: no cache named {alias!r} in settings.CACHES"
+#: The file a ``FileBasedCache`` directory is locked with (not a ``.djcache`` entry).
+LOCK_FILE = "celery-dedup.lock"
+
+
+class CacheGuarantee(str, Enum):
+    """How far a Django cache makes the lock operations atomic."""
+
+    #: memcached ``cas`` or Redis scripts: atomic on the server, for every process
+    ATOMIC = "atomic"
+    #: ``LocMemCache``: atomic, but its locks exist in one process only, so a
+    #: producer and a worker in different processes never see each other's
+    ATOMIC_IN_PROCESS = "atomic-in-process"
+    #: ``FileBasedCache``: atomic between the processes of one host (each
+    #: operation holds a lock file in the cache directory); best effort on a
+    #: directory shared over a network file system
+    ATOMIC_ON_HOST = "atomic-on-host"
+    #: any other backend: acquire is as atomic as its ``add``; the owner check
+    #: of release, extend, take-over, the start check and revoke is a read
+    #: followed by a write, so a late caller can free or overwrite a lock
+    #: re-taken by someone else in between
+    BEST_EFFORT = "best-effort"
 
 
 class DjangoCacheStore:
     """Locks in a Django cache (``django-cache`` = ``default``, ``django-cache://alias``).
 
-    The cache is looked up per call (Django caches are per thread). On a
-    pymemcache backend (``PyMemcacheCache``) and on Django's ``RedisCache``
-    the store uses their atomic primitives through the cache's own client:
-    the memcached ``add``/``gets``/``cas`` protocol above, or the Redis Lua
-    scripts. Any other backend gets ``cache.add`` to acquire (atomic where the
-    backend's ``add`` is) and a check-then-write for release/extend/take-over,
-    whose race is documented on ``_GenericCacheLocks``; such caches cannot list
-    keys, so ``scan`` raises ``ScanNotSupported``.
+    The cache is looked up per call (Django caches are per thread). See the
+    module docstring for the path each backend takes and ``guarantee()`` for
+    what it promises; only the memcached and Redis paths can list locks.
     """
 
     name = "django-cache"
 
-    def __init__(self, alias: str = "default") -> None:
+    def __init__(self, alias: str = "default", *, clock: Callable[[], float] = time.time) -> None:
         self.alias = alias
         self.label = f"django-cache ({alias})"
+        self.clock = clock
+        self._memcached: tuple[str, MemcachedStore] | None = None
 
     @classmethod
     def from_url(
@@ -87,23 +114,37 @@ class DjangoCacheStore:
         cache_ = caches[self.alias]
         native = cache_.key_func is default_key_func
         if native and isinstance(cache_, PyMemcacheCache):
-            servers = [parse_servers(f"memcached://{s}")[0][0] for s in cache_._servers]
-            return MemcachedStore(
-                lambda: cache_._cache,
-                servers=servers,
-                keyprefix=cache_.make_key(""),
-                label=self.label,
-                per_process=False,
-            )
+            return self._memcached_store(cache_)
         if native and isinstance(cache_, RedisCache):
             from .redis import RedisStore
 
             client = cache_._cache.get_client(write=True)
             return RedisStore(client, keyprefix=cache_.make_key(""), label=self.label)
-        return _GenericCacheLocks(cache_, self.label)
+        return _GenericCacheLocks(cache_, self.label, self.clock)
+
+    def _memcached_store(self, cache_: Any) -> MemcachedStore:
+        """The memcached store on the cache's servers (rebuilt if its settings change)."""
+        servers = [parse_servers(f"memcached://{s}")[0][0] for s in cache_._servers]
+        options = {k: v for k, v in cache_._options.items() if k in TRANSPORT_OPTIONS}
+        keyprefix = cache_.make_key("")
+        fingerprint = repr((servers, sorted(options.items()), keyprefix))
+        built = self._memcached
+        if built is None or built[0] != fingerprint:
+            store = MemcachedStore(
+                servers, options=options, keyprefix=keyprefix, label=self.label, clock=self.clock
+            )
+            built = self._memcached = (fingerprint, store)
+        return built[1]
+
+    def guarantee(self) -> CacheGuarantee:
+        """How atomic the operations are on this cache's backend (for checks and docs)."""
+        locks = self.locks()
+        if isinstance(locks, _GenericCacheLocks):
+            return locks.guarantee
+        return CacheGuarantee.ATOMIC
 
     def acquire(self, key: str, owner: str, ttl: float, meta: LockMeta) -> Lock | None:
-        """Take the lock or return the holder (see the class docstring per backend)."""
+        """Take the lock or return the holder."""
         return self.locks().acquire(key, owner, ttl, meta)
 
     def release(self, key: str, owner: str) -> bool:
@@ -117,6 +158,20 @@ class DjangoCacheStore:
     def take_over(self, key: str, owner: str, ttl: float, meta: LockMeta) -> Lock | None:
         """Become the holder; return the previous live one."""
         return self.locks().take_over(key, owner, ttl, meta)
+
+    def claim(
+        self, key: str, owner: str, *, release: bool, ttl: float | None, meta: LockMeta
+    ) -> Claim:
+        """The worker's start check (see ``LockStore.claim``)."""
+        return self.locks().claim(key, owner, release=release, ttl=ttl, meta=meta)
+
+    def revoke(self, key: str, owner: str, ttl: float) -> RevokeOutcome:
+        """Revoke ``owner`` (see ``LockStore.revoke``)."""
+        return self.locks().revoke(key, owner, ttl)
+
+    def unrevoke(self, key: str, owner: str) -> None:
+        """Delete the revoked marker of ``owner``."""
+        self.locks().unrevoke(key, owner)
 
     def get(self, key: str) -> Lock | None:
         """The live lock at ``key``."""
@@ -134,101 +189,181 @@ def _generic_unreachable() -> tuple[type[BaseException], ...]:
     return (ConnectionError, socket.timeout, OSError, OperationalError, InterfaceError)
 
 
-class _GenericCacheLocks:
-    """Locks through the plain Django cache API, for backends without native primitives.
+_PROCESS_LOCKS: dict[tuple[object, ...], threading.Lock] = {}
+_PROCESS_LOCKS_GUARD = threading.Lock()
 
-    ``acquire`` is ``cache.add`` (atomic on the database and local-memory
-    caches). Release, extend and take-over read the record and then write or
-    delete it: two calls with nothing tying them together, so a lock that
-    expires and is re-taken by another task in between can be deleted or
-    overwritten by the late caller. The window is one cache round trip, and
-    only a lock that is already at the end of its TTL can fall in it.
+
+def _process_lock(*name: object) -> threading.Lock:
+    """One lock per name and process (a lock inherited through a fork is never reused)."""
+    key = (os.getpid(), *name)
+    with _PROCESS_LOCKS_GUARD:
+        return _PROCESS_LOCKS.setdefault(key, threading.Lock())
+
+
+@contextmanager
+def _directory_lock(directory: str) -> Iterator[None]:
+    """This process's lock for ``directory``, then an exclusive ``flock`` on its lock file."""
+    import fcntl
+
+    with _process_lock("file", directory):
+        os.makedirs(directory, 0o700, exist_ok=True)
+        with open(os.path.join(directory, LOCK_FILE), "ab") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            yield  # closing the file releases the flock
+
+
+class _GenericCacheLocks(CacheLocks):
+    """The memcached algorithms through the plain Django cache API.
+
+    ``cas`` becomes a write (or delete) after the read. Where every
+    operation can hold a lock of its own around read and write (local
+    memory: a process lock; files: a lock file), that is atomic; elsewhere it
+    is best effort (``CacheGuarantee``). A lock lives as long as the cache
+    keeps its entry, by the backend's own expiry.
     """
 
     name = "django-cache"
 
-    def __init__(self, cache_: Any, label: str) -> None:
+    def __init__(self, cache_: Any, label: str, clock: Callable[[], float]) -> None:
+        from django.core.cache.backends.base import default_key_func
+        from django.core.cache.backends.db import DatabaseCache
+        from django.core.cache.backends.filebased import FileBasedCache
+        from django.core.cache.backends.locmem import LocMemCache
+
         self.cache = cache_
         self.label = label
+        self.clock = clock
+        self._room = MAX_KEY_LENGTH - len(cache_.make_key(""))
+        self._exclusive: Callable[[], AbstractContextManager[Any]] = nullcontext
+        self.guarantee = CacheGuarantee.BEST_EFFORT
+        if isinstance(cache_, LocMemCache):
+            # Every LocMemCache of one LOCATION shares this dict in the process.
+            self._exclusive = lambda: _process_lock("locmem", id(cache_._cache))
+            self.guarantee = CacheGuarantee.ATOMIC_IN_PROCESS
+        elif isinstance(cache_, FileBasedCache) and os.name == "posix":
+            self._exclusive = lambda: _directory_lock(cache_._dir)
+            self.guarantee = CacheGuarantee.ATOMIC_ON_HOST
+        #: prefix → the raw values that may be locks under it (None: cannot list)
+        self._values: Callable[[str], Iterator[Any]] | None = None
+        listed = cache_.key_func is default_key_func
+        if isinstance(cache_, LocMemCache) and listed:
+            self._values = self._by_key_listing(_locmem_keys(cache_))
+        elif isinstance(cache_, DatabaseCache) and listed:
+            self._values = self._by_key_listing(_database_keys(cache_))
+        elif isinstance(cache_, FileBasedCache):
+            self._values = _file_values(cache_)
 
-    def _key(self, key: str) -> str:
-        room = MAX_KEY_LENGTH - len(self.cache.make_key(""))
-        return _safe_key(key, room)
+    @contextmanager
+    def _operation(self) -> Iterator[None]:
+        errors = _generic_unreachable()
+        with unavailable_on(errors, self.name, lambda: self.label), self._exclusive():
+            yield
 
-    def _boundary(self) -> Any:
-        return unavailable_on(_generic_unreachable(), self.name, lambda: self.label)
+    def _physical(self, key: str) -> str:
+        return _safe_key(key, self._room)
 
-    def _live(self, key: str, raw: Any, now: float) -> Lock | None:
-        lock = _decode(raw)
-        return lock if lock is not None and lock.key == key and lock.expires_at > now else None
+    def _now(self, physical: str) -> float:
+        return self.clock()
 
-    def acquire(self, key: str, owner: str, ttl: float, meta: LockMeta) -> Lock | None:
-        """``add``, else the holder; a record past its time is deleted and ``add`` retried once."""
-        physical = self._key(key)
-        with self._boundary():
-            for _ in range(2):
-                now = time.time()
-                record = _encode(key, owner, meta, now, now + ttl)
-                if self.cache.add(physical, record, timeout=math.ceil(ttl) + 1):
-                    return None
-                raw = self.cache.get(physical)
-                holder = self._live(key, raw, now)
-                if holder is not None:
-                    return holder
-                if raw is not None:
-                    self.cache.delete(physical)
-            raw = self.cache.get(physical)
-        holder = self._live(key, raw, time.time())
-        if holder is None:
-            raise StoreUnavailable(
-                E_CONTENDED.format(store=self.label, op="acquire", attempts=2), store=self.name
-            )
-        return holder
+    def _timeout(self, seconds: float) -> int | None:
+        # As memcached: an entry meant to outlive 2038 never expires (some
+        # backends cannot store such a date).
+        if time.time() + seconds > MAX_UNIX_EXPIRY:
+            return None
+        return expiry_for(seconds)
 
-    def release(self, key: str, owner: str) -> bool:
-        """Read, compare the owner, delete (see the class docstring for the race)."""
-        physical = self._key(key)
-        with self._boundary():
-            holder = self._live(key, self.cache.get(physical), time.time())
-            if holder is None or holder.owner != owner:
-                return False
-            return bool(self.cache.delete(physical))
+    def _read(self, physical: str, *others: str) -> tuple[Slot, set[str]]:
+        if not others:
+            return Slot(physical, self.cache.get(physical), None), set()
+        found = self.cache.get_many([physical, *others])
+        return Slot(physical, found.get(physical), None), set(found) - {physical}
 
-    def extend(self, key: str, owner: str, ttl: float) -> bool:
-        """Read, compare the owner, write the record with a new expiry."""
-        physical = self._key(key)
-        with self._boundary():
-            now = time.time()
-            holder = self._live(key, self.cache.get(physical), now)
-            if holder is None or holder.owner != owner:
-                return False
-            record = _encode(key, owner, _with_meta(holder), holder.acquired_at, now + ttl)
-            self.cache.set(physical, record, timeout=math.ceil(ttl) + 1)
-            return True
+    def _add(self, physical: str, value: str, seconds: float) -> bool:
+        return bool(self.cache.add(physical, value, timeout=self._timeout(seconds)))
 
-    def take_over(self, key: str, owner: str, ttl: float, meta: LockMeta) -> Lock | None:
-        """Read the holder, then write the new record unconditionally."""
-        physical = self._key(key)
-        with self._boundary():
-            now = time.time()
-            previous = self._live(key, self.cache.get(physical), now)
-            self.cache.set(physical, _encode(key, owner, meta, now, now + ttl),
-                           timeout=math.ceil(ttl) + 1)
-        return previous
+    def _cas(self, slot: Slot, value: str | None, seconds: float) -> bool:
+        # No compare here: the read that decided this write is the check.
+        if value is None:
+            self.cache.delete(slot.physical)
+        else:
+            self.cache.set(slot.physical, value, timeout=self._timeout(seconds))
+        return True
 
-    def get(self, key: str) -> Lock | None:
-        """The live lock at ``key``."""
-        with self._boundary():
-            raw = self.cache.get(self._key(key))
-        return self._live(key, raw, time.time())
+    def _set(self, physical: str, value: str, seconds: float) -> None:
+        self.cache.set(physical, value, timeout=self._timeout(seconds))
+
+    def _delete(self, physical: str) -> None:
+        self.cache.delete(physical)
 
     def scan(self, prefix: str) -> Iterator[Lock]:
-        """Not possible: a generic Django cache cannot list its keys."""
-        raise ScanNotSupported(
-            E_NO_SCAN.format(
-                store=self.label,
-                reason=f"{type(self.cache).__name__} cannot list keys "
-                "(use a PyMemcacheCache or RedisCache backend)",
-            ),
-            store=self.name,
-        )
+        """Every live lock under ``prefix``, read through the backend's own storage.
+
+        Local-memory and database caches (default key function) list their
+        keys, then read the candidates with ``get_many``; a file cache reads
+        every entry. Other backends cannot list keys: ``ScanNotSupported``.
+        """
+        if self._values is None:
+            raise ScanNotSupported(
+                E_NO_SCAN.format(
+                    store=self.label,
+                    reason=f"{type(self.cache).__name__} cannot list keys (use a PyMemcacheCache, "
+                    "RedisCache, LocMemCache, FileBasedCache or DatabaseCache backend)",
+                ),
+                store=self.name,
+            )
+        with self._op("scan"):
+            locks = [
+                lock
+                for raw in self._values(prefix)
+                if (lock := _decode(raw)) is not None and lock.key.startswith(prefix)
+            ]
+        yield from locks
+
+    def _by_key_listing(self, keys: Callable[[], list[str]]) -> Callable[[str], Iterator[Any]]:
+        """Values under a prefix, from a listing of the cache's made keys."""
+        head = self.cache.make_key("")
+
+        def values(prefix: str) -> Iterator[Any]:
+            wanted = (head + prefix, head + "#")  # hashed keys may hold any logical key
+            physicals = [k[len(head) :] for k in keys() if k.startswith(wanted)]
+            for start in range(0, len(physicals), SCAN_BATCH):
+                yield from self.cache.get_many(physicals[start : start + SCAN_BATCH]).values()
+
+        return values
+
+
+def _locmem_keys(cache_: Any) -> Callable[[], list[str]]:
+    def keys() -> list[str]:
+        with cache_._lock:
+            return list(cache_._cache)
+
+    return keys
+
+
+def _database_keys(cache_: Any) -> Callable[[], list[str]]:
+    def keys() -> list[str]:
+        from django.db import connections, router
+
+        connection = connections[router.db_for_read(cache_.cache_model_class)]
+        quote = connection.ops.quote_name
+        with connection.cursor() as cursor:
+            cursor.execute(f"SELECT {quote('cache_key')} FROM {quote(cache_._table)}")
+            return [str(row[0]) for row in cursor.fetchall()]
+
+    return keys
+
+
+def _file_values(cache_: Any) -> Callable[[str], Iterator[Any]]:
+    """Every live entry of a file cache (its file names are digests: no key to filter on)."""
+
+    def values(prefix: str) -> Iterator[Any]:
+        for name in cache_._list_cache_files():
+            try:
+                with open(name, "rb") as handle:
+                    # As FileBasedCache.get: the expiry, then the compressed value.
+                    if not cache_._is_expired(handle):
+                        yield pickle.loads(zlib.decompress(handle.read()))
+            except FileNotFoundError:
+                continue
+
+    return values

@@ -1,83 +1,131 @@
 """memcached lock store: ``add`` to acquire, ``gets`` + ``cas`` to check owners.
 
 memcached has no scripting and no compare-and-delete, so the guarantees are
-built from its two atomic primitives:
+built from its two atomic primitives, one key at a time:
 
-* ``add`` stores a key only if it is absent. A free lock is taken in one
+* ``add`` stores a key only if it is absent: a free lock is taken in one
   round trip; a held one costs a second (``gets``) to report the holder.
 * ``cas`` stores only if nobody wrote the key since our ``gets``. Every
-  owner-checked write (release, extend, take-over, taking a lock whose time
-  is up) is ``gets`` + ``cas``: two round trips, refused if anyone wrote the
-  key in between. Release writes with a negative expiry, which memcached
-  treats as "expired at once", so it is a true owner-checked
-  compare-and-delete (never a check followed by a blind ``delete``).
+  owner-checked write (release, extend, take-over, start check, revoke) is
+  ``gets`` + ``cas``, re-read and re-checked if anyone wrote the key in
+  between. A delete is a ``cas`` to an already-expired item: a true
+  compare-and-delete, never a check followed by a blind ``delete``.
 
-Expiry: memcached counts whole seconds on a clock that ticks once a second,
-so an item stored with expiry ``n`` can vanish after ``n - 1`` seconds. Each
-lock therefore records its exact ``expires_at`` and counts as free from then
-on; the item's own expiry is ``ceil(ttl) + 1`` seconds (rounded up, plus one
-tick) and only reclaims memory. Exact expiry is judged on the clients'
-clocks, so hosts should keep them in sync (NTP).
+``claim`` and ``revoke`` touch two keys, the lock and the owner's revoked
+marker, which memcached cannot change together. ``claim`` reads both with one
+``gets_many`` and changes only the lock, by ``cas``; ``revoke`` writes the
+marker first, then reads and changes the lock; a ``claim`` that takes a free
+key reads the marker again after its ``add``. Whatever the interleaving,
+either the claim sees the marker or the revoke sees the claimed lock.
+
+Clocks: a lock lives exactly as long as its item, and memcached counts the
+item's expiry on its own clock, so no client's clock decides whether a lock
+is free. Items get ``ceil(ttl) + 1`` seconds (memcached's clock ticks once a
+second): a lock lives at least its TTL and less than 2 s more. The times kept
+in the item (for reports, and for the start check, which rewrites the item
+and must keep its end) are on the server's clock as well, read from its
+``stats`` and carried forward on this host's monotonic clock.
+
+Several servers: keys are spread by rendezvous hashing (as pymemcache's
+``HashClient`` does with every server up) and never fail over. A server that
+does not answer makes its own keys raise ``StoreUnavailable``; moving them to
+another server would let a second producer take a lock that is still held.
 
 memcached cannot list its keys on the data path, so ``scan`` and
 ``read_counts`` walk the server with ``lru_crawler metadump all`` (memcached
 1.4.31+, on by default); nothing is added to ``acquire`` to keep an index.
 
-pymemcache is not imported at module import, only inside the functions that
-use it. ``stores/django_cache.py`` reuses this protocol for Django's
-``PyMemcacheCache``.
+pymemcache is imported only by the functions that use it.
+``stores/django_cache.py`` reuses ``CacheLocks`` (the algorithms) for Django's
+``PyMemcacheCache`` and for generic Django caches.
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import math
 import os
+import random
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, replace
 from functools import cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 from urllib.parse import parse_qsl, quote, unquote
 
-from ..exceptions import ScanNotSupported, StoreUnavailable
-from .base import Lock, LockMeta, unavailable_on
+from ..exceptions import ImproperlyConfigured, ScanNotSupported, StoreUnavailable
+from .base import (
+    Claim,
+    ClaimOutcome,
+    Lock,
+    LockMeta,
+    RevokeOutcome,
+    revoked_marker_key,
+    unavailable_on,
+)
 
 if TYPE_CHECKING:
     from celery import Celery
 
-__all__ = ["MemcachedStore", "expiry_for", "parse_servers"]
+__all__ = ["CacheLocks", "MemcachedStore", "expiry_for", "parse_servers"]
+
+#: ``(host, port)``, or the path of a unix socket.
+Server: TypeAlias = "tuple[str, int] | str"
 
 #: memcached's limit on key length, in bytes.
 MAX_KEY_LENGTH = 250
 #: Expiries above this many seconds are read by memcached as a Unix time.
 MAX_RELATIVE_EXPIRY = 30 * 24 * 3600
-#: How often a contended ``gets`` + ``cas`` is retried before giving up.
-CAS_ATTEMPTS = 5
+#: The last Unix time memcached can expire an item at (2038-01-19): an item
+#: meant to outlive it is stored without expiry.
+MAX_UNIX_EXPIRY = 2**31 - 1
+#: How often a contended read-then-write is tried before giving up.
+CAS_ATTEMPTS = 10
+#: The longest pause between two attempts, in seconds (jittered, doubling from 1 ms).
+MAX_BACKOFF = 0.2
 #: Keys per ``get_many`` when scanning.
 SCAN_BATCH = 100
 #: pymemcache settings used unless ``dedup_store_options`` overrides them.
 DEFAULT_CLIENT_OPTIONS: Mapping[str, Any] = {"connect_timeout": 1.0, "timeout": 1.0}
+#: The pymemcache options about the connection (a Django cache's ``serde`` is not).
+TRANSPORT_OPTIONS = frozenset({
+    "connect_timeout", "timeout", "no_delay", "socket_module", "socket_keepalive",
+    "tls_context", "max_pool_size", "pool_idle_timeout", "lock_generator",
+})
+#: Seconds between two readings of a server's clock.
+CLOCK_REFRESH = 300.0
+#: Seconds added when the start check rewrites a lock: the server clock as
+#: read here lags the server by up to 1 s (its tick) plus a round trip.
+CLOCK_MARGIN = 2.0
+#: The value of a revoked marker (never decodes as a lock).
+MARKER = "revoked"
 
 E_NO_SCAN = (
     "the {store} lock store cannot list its locks: {reason}. Locks still work; "
     "inspect a single key with inspect_lock()."
 )
+E_OPTIONS = (
+    "{store}: {names} are not options of pymemcache's PooledClient. Keys are spread over "
+    "the servers without failover, so HashClient options (retry_attempts, dead_timeout, "
+    "ignore_exc, use_pooling) do not apply."
+)
+E_KEY_PREFIX = (
+    "{store}: key_prefix {prefix!r} is not a memcached key (printable ASCII without spaces, "
+    "at most 100 bytes)"
+)
 E_CONTENDED = "lock store {store}: key kept changing during {op} ({attempts} attempts)"
+E_PROTOCOL = (
+    "lock store {store} is unavailable: the server did not answer as memcached does "
+    "(is the URL's port a memcached?): {error}"
+)
 
 
-# -- shared helpers ------------------------------------------------------------------------
-
-
-@cache
-def _unreachable() -> tuple[type[BaseException], ...]:
-    """The pymemcache and socket errors that mean "the server cannot be reached"."""
-    from pymemcache.exceptions import MemcacheUnexpectedCloseError
-
-    return (MemcacheUnexpectedCloseError, ConnectionError, socket.timeout, OSError)
+# -- records -------------------------------------------------------------------------------
 
 
 def _safe_key(key: str, room: int) -> str:
@@ -88,56 +136,328 @@ def _safe_key(key: str, room: int) -> str:
     return "#" + hashlib.sha256(raw).hexdigest()
 
 
-def _encode(key: str, owner: str, meta: LockMeta, acquired_at: float, expires_at: float) -> str:
-    """The stored record: compact JSON, carrying the logical key for ``scan``."""
+def _ms(t: float) -> float:
+    # Rounded down: a reported TTL never exceeds the one asked for.
+    return math.floor(t * 1000) / 1000
+
+
+def _encode(
+    key: str, owner: str, meta: LockMeta, acquired_at: float, expires_at: float, started: bool
+) -> str:
+    """The stored record: compact ASCII JSON, carrying the logical key for ``scan``."""
     record = {
         "k": key,
         "o": owner,
+        "i": meta.get("task_id") or owner,
+        "s": int(started),
         "t": meta.get("task_name", ""),
         "p": meta.get("policy", ""),
-        # Milliseconds, rounded down: a reported TTL never exceeds the one asked for.
-        "a": math.floor(acquired_at * 1000) / 1000,
-        "e": math.floor(expires_at * 1000) / 1000,
+        "a": _ms(acquired_at),
+        "e": _ms(expires_at),
     }
     return json.dumps(record, separators=(",", ":"))
 
 
+def _reencode(lock: Lock, *, expires_at: float | None = None, started: bool | None = None) -> str:
+    """``lock``'s record with a new end or start flag, every other field kept."""
+    meta = {"task_name": lock.task_name, "policy": lock.policy, "task_id": lock.task_id}
+    return _encode(
+        lock.key,
+        lock.owner,
+        meta,
+        lock.acquired_at,
+        lock.expires_at if expires_at is None else expires_at,
+        lock.started if started is None else started,
+    )
+
+
 def _decode(raw: Any) -> Lock | None:
-    """The lock a stored record describes, or ``None`` for anything else."""
+    """The lock a stored record describes, or ``None`` for anything else (markers too).
+
+    0.1.0 records have no task id (the owner was the task id) and no start flag.
+    """
     if raw is None:
         return None
     try:
         record = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+        owner = str(record["o"])
         return Lock(
             key=str(record["k"]),
-            owner=str(record["o"]),
+            owner=owner,
             task_name=str(record["t"]),
             acquired_at=float(record["a"]),
             expires_at=float(record["e"]),
             policy=str(record["p"]),
+            task_id=str(record.get("i") or owner),
+            started=bool(record.get("s")),
         )
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
-def _with_meta(lock: Lock) -> dict[str, str]:
-    return {"task_name": lock.task_name, "policy": lock.policy}
+def expiry_for(seconds: float) -> int:
+    """The relative memcached expiry of an item living ``seconds``: ``ceil(seconds) + 1``.
 
-
-def expiry_for(ttl: float, now: float) -> int:
-    """The memcached expiry of a lock living ``ttl`` seconds: ``ceil(ttl) + 1``.
-
-    Rounded up and one tick longer than the lock, so memcached's one-second
-    clock never drops a live lock; above 30 days it is sent as a Unix time,
-    which is how memcached reads such values.
+    memcached's clock ticks once a second, so an item given ``n`` seconds
+    lives between ``n - 1`` and ``n``: one more tick than rounded up keeps
+    the item at least ``seconds``.
     """
-    seconds = max(1, math.ceil(ttl)) + 1
-    if seconds > MAX_RELATIVE_EXPIRY:
-        return math.ceil(now) + seconds
-    return seconds
+    return max(1, math.ceil(seconds)) + 1
 
 
-def parse_servers(url: str) -> tuple[list[tuple[str, int] | str], dict[str, str]]:
+# -- the algorithms ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Slot:
+    """What one read found at a physical key: its value and ``cas`` token."""
+
+    physical: str
+    raw: Any
+    token: Any
+
+    @property
+    def lock(self) -> Lock | None:
+        """The lock stored there, if the value is one."""
+        return _decode(self.raw)
+
+
+def _attempts() -> Iterator[int]:
+    """``range(CAS_ATTEMPTS)``, pausing a jittered, doubling moment before each retry."""
+    for attempt in range(CAS_ATTEMPTS):
+        if attempt:
+            time.sleep(random.uniform(0, min(MAX_BACKOFF, 0.001 * 2**attempt)))
+        yield attempt
+
+
+class _Contended(Exception):
+    """A key kept changing under ``gets`` + ``cas`` (reported as ``StoreUnavailable``)."""
+
+
+class CacheLocks:
+    """The ``LockStore`` operations over a cache's ``add`` and ``cas``.
+
+    A lock is alive while its item exists: the cache's own expiry decides,
+    never a time written in the record. Subclasses give the primitives:
+    ``_read`` (values and ``cas`` tokens of some keys), ``_add`` (store if
+    absent), ``_cas`` (store, or delete with ``None``, if unchanged since the
+    read), ``_set`` and ``_delete`` (unconditional, for revoked markers),
+    ``_operation`` (the error boundary around one operation) and the clock
+    of the records (``_now``, ``_remaining``, ``_local``).
+    """
+
+    name = "cache"
+    label = "cache"
+
+    # -- primitives --------------------------------------------------------
+
+    def _operation(self) -> AbstractContextManager[None]:
+        raise NotImplementedError
+
+    def _read(self, physical: str, *others: str) -> tuple[Slot, set[str]]:
+        """The slot of ``physical`` and which of ``others`` exist."""
+        raise NotImplementedError
+
+    def _add(self, physical: str, value: str, seconds: float) -> bool:
+        raise NotImplementedError
+
+    def _cas(self, slot: Slot, value: str | None, seconds: float) -> bool:
+        raise NotImplementedError
+
+    def _set(self, physical: str, value: str, seconds: float) -> None:
+        raise NotImplementedError
+
+    def _delete(self, physical: str) -> None:
+        raise NotImplementedError
+
+    def _physical(self, key: str) -> str:
+        raise NotImplementedError
+
+    def _now(self, physical: str) -> float:
+        """Now on the clock of the records at ``physical``."""
+        raise NotImplementedError
+
+    def _remaining(self, physical: str, lock: Lock) -> float:
+        """Seconds an item rewritten now must live to keep ``lock``'s end."""
+        return lock.expires_at - self._now(physical)
+
+    def _local(self, physical: str, lock: Lock) -> Lock:
+        """``lock`` with its times on this host's clock."""
+        return lock
+
+    # -- helpers -----------------------------------------------------------
+
+    @contextmanager
+    def _op(self, op: str) -> Iterator[None]:
+        try:
+            with self._operation():
+                yield
+        except _Contended:
+            raise StoreUnavailable(
+                E_CONTENDED.format(store=self.label, op=op, attempts=CAS_ATTEMPTS),
+                store=self.name,
+            ) from None
+
+    def _new(
+        self, physical: str, key: str, owner: str, ttl: float, meta: LockMeta, started: bool
+    ) -> str:
+        now = self._now(physical)
+        return _encode(key, owner, meta, now, now + ttl, started)
+
+    def _put(self, slot: Slot, value: str, seconds: float) -> bool:
+        """Store over what ``slot`` saw: ``add`` where it saw nothing, else ``cas``."""
+        if slot.raw is None:
+            return self._add(slot.physical, value, seconds)
+        return self._cas(slot, value, seconds)
+
+    def _release_owned(self, physical: str, owner: str) -> bool:
+        for _ in _attempts():
+            slot, _found = self._read(physical)
+            holder = slot.lock
+            if holder is None or holder.owner != owner:
+                return False
+            if self._cas(slot, None, 0):
+                return True
+        raise _Contended
+
+    # -- LockStore ---------------------------------------------------------
+
+    def acquire(self, key: str, owner: str, ttl: float, meta: LockMeta) -> Lock | None:
+        """``add``; if held, read the holder (``cas`` over a value that is not a lock)."""
+        physical = self._physical(key)
+        with self._op("acquire"):
+            record = self._new(physical, key, owner, ttl, meta, meta.get("started") == "1")
+            if self._add(physical, record, ttl):
+                return None
+            for _ in _attempts():
+                slot, _found = self._read(physical)
+                holder = slot.lock
+                if holder is not None:
+                    return self._local(physical, holder)
+                # Gone since the add (released or expired), or not a lock.
+                if self._put(slot, record, ttl):
+                    return None
+            raise _Contended
+
+    def release(self, key: str, owner: str) -> bool:
+        """Read, compare the owner, compare-and-delete."""
+        physical = self._physical(key)
+        with self._op("release"):
+            return self._release_owned(physical, owner)
+
+    def extend(self, key: str, owner: str, ttl: float) -> bool:
+        """Read, compare the owner, ``cas`` the record with a new end (fields kept)."""
+        physical = self._physical(key)
+        with self._op("extend"):
+            for _ in _attempts():
+                slot, _found = self._read(physical)
+                holder = slot.lock
+                if holder is None or holder.owner != owner:
+                    return False
+                record = _reencode(holder, expires_at=self._now(physical) + ttl)
+                if self._cas(slot, record, ttl):
+                    return True
+            raise _Contended
+
+    def take_over(self, key: str, owner: str, ttl: float, meta: LockMeta) -> Lock | None:
+        """Read the holder, then store the new lock over it (``cas``, or ``add`` if free)."""
+        physical = self._physical(key)
+        with self._op("take_over"):
+            for _ in _attempts():
+                slot, _found = self._read(physical)
+                if self._put(slot, self._new(physical, key, owner, ttl, meta, False), ttl):
+                    previous = slot.lock
+                    return None if previous is None else self._local(physical, previous)
+            raise _Contended
+
+    def claim(
+        self, key: str, owner: str, *, release: bool, ttl: float | None, meta: LockMeta
+    ) -> Claim:
+        """The start check: read lock and marker together, then change the lock by ``cas``."""
+        physical = self._physical(key)
+        marker = self._physical(revoked_marker_key(key, owner))
+        with self._op("claim"):
+            for _ in _attempts():
+                slot, found = self._read(physical, marker)
+                holder = slot.lock
+                mine = holder is not None and holder.owner == owner
+                if marker in found:
+                    if not mine or self._cas(slot, None, 0):
+                        return Claim(ClaimOutcome.REVOKED)
+                    continue
+                if holder is not None and mine:
+                    if self._mark_started(slot, holder, release):
+                        return Claim(ClaimOutcome.OWNED)
+                    continue
+                if holder is not None:
+                    return Claim(ClaimOutcome.HELD, self._local(physical, holder))
+                if ttl is None or release:
+                    return Claim(ClaimOutcome.FREE)
+                if self._put(slot, self._new(physical, key, owner, ttl, meta, True), ttl):
+                    return self._after_free_claim(physical, marker, owner)
+            raise _Contended
+
+    def _mark_started(self, slot: Slot, holder: Lock, release: bool) -> bool:
+        if release:
+            return self._cas(slot, None, 0)
+        remaining = self._remaining(slot.physical, holder)
+        return self._cas(slot, _reencode(holder, started=True), remaining)
+
+    def _after_free_claim(self, physical: str, marker: str, owner: str) -> Claim:
+        # A revoke writes the marker before it reads the lock; reading the
+        # marker after our write means one of the two sees the other.
+        if self._read(marker)[0].raw is None:
+            return Claim(ClaimOutcome.FREE)
+        self._release_owned(physical, owner)
+        return Claim(ClaimOutcome.REVOKED)
+
+    def revoke(self, key: str, owner: str, ttl: float) -> RevokeOutcome:
+        """Write the marker, then compare-and-delete the lock if ``owner`` holds it unstarted."""
+        physical = self._physical(key)
+        with self._op("revoke"):
+            self._set(self._physical(revoked_marker_key(key, owner)), MARKER, ttl)
+            for _ in _attempts():
+                slot, _found = self._read(physical)
+                holder = slot.lock
+                if holder is None or holder.owner != owner:
+                    return RevokeOutcome.NOT_HELD
+                if holder.started:
+                    return RevokeOutcome.RUNNING
+                if self._cas(slot, None, 0):
+                    return RevokeOutcome.RELEASED
+            raise _Contended
+
+    def unrevoke(self, key: str, owner: str) -> None:
+        """Delete the revoked marker of ``owner`` (no owner check needed: it is its own key)."""
+        with self._op("unrevoke"):
+            self._delete(self._physical(revoked_marker_key(key, owner)))
+
+    def get(self, key: str) -> Lock | None:
+        """The live lock at ``key`` (one read)."""
+        physical = self._physical(key)
+        with self._op("get"):
+            slot, _found = self._read(physical)
+            lock = slot.lock
+            return None if lock is None or lock.key != key else self._local(physical, lock)
+
+
+# -- memcached -----------------------------------------------------------------------------
+
+
+@cache
+def _unreachable() -> tuple[type[BaseException], ...]:
+    """The pymemcache and socket errors that mean "the server cannot be reached"."""
+    from pymemcache.exceptions import MemcacheUnexpectedCloseError
+
+    return (MemcacheUnexpectedCloseError, ConnectionError, socket.timeout, OSError)
+
+
+def _node(server: Server) -> str:
+    """A server's name on the hash ring (pymemcache ``HashClient``'s)."""
+    return server if isinstance(server, str) else f"{server[0]}:{server[1]}"
+
+
+def parse_servers(url: str) -> tuple[list[Server], dict[str, str]]:
     """``memcached://h1:p1;h2:p2/?timeout=1`` → ``([(h1, p1), (h2, p2)], {"timeout": "1"})``.
 
     Servers are separated by ``;`` or ``,`` (as Celery's cache backend);
@@ -146,7 +466,7 @@ def parse_servers(url: str) -> tuple[list[tuple[str, int] | str], dict[str, str]
     rest = url.partition("://")[2]
     rest, _, query = rest.partition("?")
     netloc = rest.split("/", 1)[0] if not rest.startswith("unix:") else rest.rstrip("/")
-    servers: list[tuple[str, int] | str] = []
+    servers: list[Server] = []
     for raw_part in netloc.replace(",", ";").split(";"):
         part = raw_part.strip()
         if not part:
@@ -168,52 +488,119 @@ def parse_servers(url: str) -> tuple[list[tuple[str, int] | str], dict[str, str]
     return servers, dict(parse_qsl(query))
 
 
-def _describe(server: tuple[str, int] | str) -> str:
-    return f"unix:{server}" if isinstance(server, str) else f"{server[0]}:{server[1]}"
-
-
 def _float_options(query: Mapping[str, str]) -> dict[str, Any]:
     return {k: float(v) for k, v in query.items() if k in ("timeout", "connect_timeout")}
 
 
-# -- memcached -----------------------------------------------------------------------------
+@cache
+def _client_parameters() -> frozenset[str]:
+    from pymemcache.client.base import PooledClient
+
+    return frozenset(inspect.signature(PooledClient).parameters) - {"server"}
 
 
-class MemcachedStore:
+class _Ring:
+    """One pymemcache ``PooledClient`` per server, and each key on a fixed one of them."""
+
+    def __init__(self, servers: Sequence[Server], options: Mapping[str, Any]) -> None:
+        from pymemcache.client.base import PooledClient
+        from pymemcache.client.rendezvous import RendezvousHash
+
+        kwargs = {**options, "default_noreply": False}
+        self.clients = {_node(s): PooledClient(s, **kwargs) for s in servers}
+        self._hash = RendezvousHash(list(self.clients))
+        self._only = next(iter(self.clients)) if len(self.clients) == 1 else None
+
+    def node(self, physical: str) -> str:
+        """The server that holds ``physical``, whether it answers or not."""
+        if self._only is not None:
+            return self._only
+        node: str = self._hash.get_node(physical)
+        return node
+
+    def client(self, physical: str) -> Any:
+        """The client of the server that holds ``physical``."""
+        return self.clients[self.node(physical)]
+
+    def get_many(self, keys: Sequence[str], *, gets: bool = False) -> dict[str, Any]:
+        """``get_many`` (or ``gets_many``) grouped by server: one round trip per server."""
+        by_node: dict[str, list[str]] = {}
+        for key in keys:
+            by_node.setdefault(self.node(key), []).append(key)
+        found: dict[Any, Any] = {}
+        for node, batch in by_node.items():
+            client = self.clients[node]
+            found.update(client.gets_many(batch) if gets else client.get_many(batch))
+        return {k.decode() if isinstance(k, bytes) else str(k): v for k, v in found.items()}
+
+    def close(self) -> None:
+        """Close every connection."""
+        for client in self.clients.values():
+            client.close()
+
+
+@dataclass(frozen=True)
+class _ServerClock:
+    """One server's clock as read here: its ``stats`` time, carried on the monotonic clock.
+
+    Never ahead of the server; behind by less than 1 s (memcached's clock
+    ticks once a second) plus ``slack``, the round trip of the reading.
+    """
+
+    server_at: float
+    mono_at: float
+    wall_at: float
+    slack: float
+
+    def now(self) -> float:
+        """The server's time now."""
+        return self.server_at + time.monotonic() - self.mono_at
+
+    def to_local(self, t: float) -> float:
+        """A time on the server's clock → on this host's clock."""
+        return t - self.server_at + self.wall_at
+
+
+class MemcachedStore(CacheLocks):
     """Owner-checked TTL locks in memcached (pymemcache).
 
-    One server uses a thread-safe ``PooledClient``; several (``;``-separated)
-    use a ``HashClient`` spreading keys over them. The client is rebuilt in a
-    forked child, so no socket is shared across a fork.
+    Each server gets a thread-safe ``PooledClient``; a key always goes to
+    the same server (no failover). Clients are rebuilt in a forked child, so
+    no socket is shared across a fork.
 
-    Round trips: acquire 1 (free key) or 2 (held: ``add`` then ``gets`` to
-    report the holder); release, extend and take-over 2 (``gets`` + ``cas``);
-    get 1. See the module docstring for expiry and ``scan``.
+    Round trips: acquire 1 (free key) or 2 (held: ``add`` then ``gets``);
+    release, extend, take-over and revoke 2 (``gets`` + ``cas``; revoke adds
+    the marker's ``set``); claim 2 (``gets_many`` + ``cas``, plus a marker
+    read when it takes a free key); get 1. The first operation on a server in
+    a process also reads its clock (``stats``), again every 5 minutes.
     """
 
     name = "memcached"
 
     def __init__(
         self,
-        client_factory: Callable[[], Any],
+        servers: Sequence[Server],
         *,
-        servers: Sequence[tuple[str, int] | str] = (),
+        options: Mapping[str, Any] | None = None,
         keyprefix: str = "",
-        scan_options: Mapping[str, Any] | None = None,
-        label: str = "memcached",
-        per_process: bool = True,
+        label: str | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.client_factory = client_factory
         self.servers = list(servers)
         self.keyprefix = keyprefix
-        self.label = label
+        self.label = label or f"memcached ({';'.join(_node(s) for s in self.servers)})"
+        if _safe_key(keyprefix, 100) != keyprefix and keyprefix:
+            raise ImproperlyConfigured(E_KEY_PREFIX.format(store=self.label, prefix=keyprefix))
+        self.options = {**DEFAULT_CLIENT_OPTIONS, **(options or {})}
+        unknown = sorted(set(self.options) - _client_parameters())
+        if unknown:
+            raise ImproperlyConfigured(E_OPTIONS.format(store=self.label, names=", ".join(unknown)))
+        #: this host's clock: only for reporting lock times in it
         self.clock = clock
-        self._scan_options = dict(scan_options or DEFAULT_CLIENT_OPTIONS)
-        self._per_process = per_process
-        self._client: Any = None
+        self._ring: _Ring | None = None
         self._pid = 0
-        self._client_lock = threading.Lock()
+        self._clocks: dict[str, _ServerClock] = {}
+        self._ring_lock = threading.Lock()
 
     @classmethod
     def from_url(
@@ -221,164 +608,132 @@ class MemcachedStore:
     ) -> MemcachedStore:
         """``memcached://host:port`` (also ``cache+memcached://h1:p1;h2:p2/``).
 
-        ``options`` (``dedup_store_options``) go to the pymemcache client;
+        ``options`` (``dedup_store_options``) go to the pymemcache clients;
         ``key_prefix`` among them namespaces the keys of this store.
         """
         servers, query = parse_servers(url)
         given = dict(options or {})
         keyprefix = str(given.pop("key_prefix", query.get("key_prefix", "")))
-        client_options = {**DEFAULT_CLIENT_OPTIONS, **_float_options(query), **given}
-        scan_options = {
-            k: v for k, v in client_options.items()
-            if k in ("connect_timeout", "timeout", "tls_context", "socket_module")
-        }
-
-        def factory() -> Any:
-            return _make_client(servers, client_options)
-
-        return cls(
-            factory,
-            servers=servers,
-            keyprefix=keyprefix,
-            scan_options=scan_options,
-            label=f"memcached ({';'.join(_describe(s) for s in servers)})",
-        )
+        return cls(servers, options={**_float_options(query), **given}, keyprefix=keyprefix)
 
     # -- plumbing ----------------------------------------------------------
 
-    def client(self) -> Any:
-        """The pymemcache client of this process (built on first use)."""
-        if not self._per_process:
-            return self.client_factory()
+    def ring(self) -> _Ring:
+        """The clients of this process (built on first use, and again after a fork)."""
         pid = os.getpid()
-        if self._client is None or self._pid != pid:
-            with self._client_lock:
-                if self._client is None or self._pid != pid:
-                    # An inherited client is dropped, not closed: its sockets
+        if self._ring is None or self._pid != pid:
+            with self._ring_lock:
+                if self._ring is None or self._pid != pid:
+                    # An inherited ring is dropped, not closed: its sockets
                     # are the parent's.
-                    self._client = self.client_factory()
+                    self._ring = _Ring(self.servers, self.options)
                     self._pid = pid
-        return self._client
+        return self._ring
 
     def close(self) -> None:
         """Close this process's connections."""
-        client, self._client = self._client, None
-        if client is not None and self._per_process and self._pid == os.getpid():
-            client.close()
+        ring, self._ring = self._ring, None
+        if ring is not None and self._pid == os.getpid():
+            ring.close()
 
     @contextmanager
-    def _boundary(self) -> Iterator[None]:
-        from pymemcache.exceptions import MemcacheError
+    def _operation(self) -> Iterator[None]:
+        from pymemcache.exceptions import MemcacheError, MemcacheIllegalInputError
 
         try:
             with unavailable_on(_unreachable(), self.name, lambda: self.label):
                 yield
-        except MemcacheError as exc:
-            # HashClient raises the bare base class once every server is marked dead.
-            if type(exc) is not MemcacheError:
-                raise
+        except MemcacheIllegalInputError:
+            raise
+        except (MemcacheError, ValueError) as exc:
+            # An answer outside memcached's protocol: another service on that port.
             raise StoreUnavailable(
-                f"lock store {self.label} is unavailable: {exc}", store=self.name
+                E_PROTOCOL.format(store=self.label, error=f"{type(exc).__name__}: {exc}"),
+                store=self.name,
             ) from exc
 
     def _physical(self, key: str) -> str:
         return self.keyprefix + _safe_key(key, MAX_KEY_LENGTH - len(self.keyprefix.encode()))
 
-    def _gets(self, client: Any, physical: str) -> tuple[Any, Any]:
-        found = client.gets(physical)
-        if not isinstance(found, tuple):
-            # A HashClient configured to ignore a failing server answers None.
-            raise StoreUnavailable(
-                f"lock store {self.label} is unavailable: no answer for gets", store=self.name
-            )
-        return found
+    def _server_clock(self, physical: str) -> _ServerClock:
+        ring = self.ring()
+        node = ring.node(physical)
+        clock = self._clocks.get(node)
+        if clock is None or time.monotonic() - clock.mono_at > CLOCK_REFRESH:
+            clock = self._clocks[node] = self._read_clock(ring.clients[node])
+        return clock
 
-    def _contended(self, op: str) -> StoreUnavailable:
-        return StoreUnavailable(
-            E_CONTENDED.format(store=self.label, op=op, attempts=CAS_ATTEMPTS), store=self.name
+    def _read_clock(self, client: Any) -> _ServerClock:
+        """The best of three ``stats`` readings (the shortest round trip)."""
+        best: _ServerClock | None = None
+        for _ in range(3):
+            sent = time.monotonic()
+            server_time = client.stats().get(b"time")
+            if not isinstance(server_time, int):
+                raise ValueError(f"no time in the stats answer: {server_time!r}")
+            received = time.monotonic()
+            # The server read its time somewhere in the round trip: pinning
+            # it to the end keeps the estimate from running ahead.
+            reading = _ServerClock(server_time, received, self.clock(), received - sent)
+            if best is None or reading.slack < best.slack:
+                best = reading
+            if best.slack < 0.05:
+                break
+        assert best is not None
+        return best
+
+    def _now(self, physical: str) -> float:
+        return self._server_clock(physical).now()
+
+    def _remaining(self, physical: str, lock: Lock) -> float:
+        return lock.expires_at - self._now(physical) + CLOCK_MARGIN
+
+    def _local(self, physical: str, lock: Lock) -> Lock:
+        clock = self._server_clock(physical)
+        return replace(
+            lock,
+            acquired_at=clock.to_local(lock.acquired_at),
+            expires_at=clock.to_local(lock.expires_at),
         )
 
-    # -- LockStore ---------------------------------------------------------
+    def _expiry(self, physical: str, seconds: float) -> int:
+        relative = expiry_for(seconds)
+        if relative <= MAX_RELATIVE_EXPIRY:
+            return relative
+        # memcached reads longer expiries as a Unix time on its own clock.
+        absolute = math.ceil(self._now(physical) + seconds + CLOCK_MARGIN) + 1
+        return absolute if absolute <= MAX_UNIX_EXPIRY else 0
 
-    def acquire(self, key: str, owner: str, ttl: float, meta: LockMeta) -> Lock | None:
-        """``add``; if held, ``gets`` the holder (or ``cas`` over a lock whose time is up)."""
-        physical = self._physical(key)
-        with self._boundary():
-            client = self.client()
-            for _ in range(CAS_ATTEMPTS):
-                now = self.clock()
-                record = _encode(key, owner, meta, now, now + ttl)
-                if client.add(physical, record, expiry_for(ttl, now), noreply=False):
-                    return None
-                raw, token = self._gets(client, physical)
-                if raw is None:
-                    continue  # released or evicted since the add: try again
-                holder = _decode(raw)
-                if holder is not None and holder.expires_at > now:
-                    return holder
-                # Past its expires_at (or not a lock): take it unless someone else did.
-                if client.cas(physical, record, token, expiry_for(ttl, now), noreply=False):
-                    return None
-        raise self._contended("acquire")
+    # -- primitives --------------------------------------------------------
 
-    def release(self, key: str, owner: str) -> bool:
-        """``gets`` + owner check + ``cas`` to an already-expired item (compare-and-delete)."""
-        physical = self._physical(key)
-        with self._boundary():
-            client = self.client()
-            for _ in range(CAS_ATTEMPTS):
-                raw, token = self._gets(client, physical)
-                holder = _decode(raw)
-                if holder is None or holder.owner != owner or holder.expires_at <= self.clock():
-                    return False
-                # A negative expiry stores the item already expired: deleted iff unchanged.
-                if client.cas(physical, "", token, -1, noreply=False):
-                    return True
-        raise self._contended("release")
+    def _read(self, physical: str, *others: str) -> tuple[Slot, set[str]]:
+        ring = self.ring()
+        if not others:
+            raw, token = ring.client(physical).gets(physical)
+            return Slot(physical, raw, token), set()
+        found = ring.get_many([physical, *others], gets=True)
+        raw, token = found.get(physical, (None, None))
+        return Slot(physical, raw, token), set(found) - {physical}
 
-    def extend(self, key: str, owner: str, ttl: float) -> bool:
-        """``gets`` + owner check + ``cas`` of the record with a new ``expires_at``."""
-        physical = self._physical(key)
-        with self._boundary():
-            client = self.client()
-            for _ in range(CAS_ATTEMPTS):
-                raw, token = self._gets(client, physical)
-                holder = _decode(raw)
-                now = self.clock()
-                if holder is None or holder.owner != owner or holder.expires_at <= now:
-                    return False
-                record = _encode(key, owner, _with_meta(holder), holder.acquired_at, now + ttl)
-                if client.cas(physical, record, token, expiry_for(ttl, now), noreply=False):
-                    return True
-        raise self._contended("extend")
+    def _add(self, physical: str, value: str, seconds: float) -> bool:
+        client = self.ring().client(physical)
+        return bool(client.add(physical, value, self._expiry(physical, seconds)))
 
-    def take_over(self, key: str, owner: str, ttl: float, meta: LockMeta) -> Lock | None:
-        """``gets`` the holder, then ``cas`` (or ``add`` when free) the new record."""
-        physical = self._physical(key)
-        with self._boundary():
-            client = self.client()
-            for _ in range(CAS_ATTEMPTS):
-                raw, token = self._gets(client, physical)
-                now = self.clock()
-                record = _encode(key, owner, meta, now, now + ttl)
-                expire = expiry_for(ttl, now)
-                if raw is None:
-                    if client.add(physical, record, expire, noreply=False):
-                        return None
-                    continue
-                if client.cas(physical, record, token, expire, noreply=False):
-                    previous = _decode(raw)
-                    return previous if previous is not None and previous.expires_at > now else None
-        raise self._contended("take_over")
+    def _cas(self, slot: Slot, value: str | None, seconds: float) -> bool:
+        client = self.ring().client(slot.physical)
+        if value is None:
+            # A negative expiry stores the item already expired: deleted iff unchanged.
+            return bool(client.cas(slot.physical, "", slot.token, -1))
+        expire = self._expiry(slot.physical, seconds)
+        return bool(client.cas(slot.physical, value, slot.token, expire))
 
-    def get(self, key: str) -> Lock | None:
-        """The live lock at ``key`` (one ``get``)."""
-        with self._boundary():
-            raw = self.client().get(self._physical(key))
-        lock = _decode(raw)
-        if lock is None or lock.key != key or lock.expires_at <= self.clock():
-            return None
-        return lock
+    def _set(self, physical: str, value: str, seconds: float) -> None:
+        self.ring().client(physical).set(physical, value, self._expiry(physical, seconds))
+
+    def _delete(self, physical: str) -> None:
+        self.ring().client(physical).delete(physical)
+
+    # -- listing -----------------------------------------------------------
 
     def scan(self, prefix: str) -> Iterator[Lock]:
         """Every live lock under ``prefix``: walk each server's keys, then ``get_many`` them."""
@@ -388,14 +743,16 @@ class MemcachedStore:
             k for k in self._dump_keys()
             if k.startswith(physical_prefix) or k.startswith(hashed)
         ]
-        now = self.clock()
         for start in range(0, len(keys), SCAN_BATCH):
-            with self._boundary():
-                found = self.client().get_many(keys[start : start + SCAN_BATCH])
-            for raw in found.values():
-                lock = _decode(raw)
-                if lock is not None and lock.key.startswith(prefix) and lock.expires_at > now:
-                    yield lock
+            with self._operation():
+                found = self.ring().get_many(keys[start : start + SCAN_BATCH])
+                # Markers and counters do not decode as locks.
+                locks = [
+                    self._local(physical, lock)
+                    for physical, raw in found.items()
+                    if (lock := _decode(raw)) is not None and lock.key.startswith(prefix)
+                ]
+            yield from locks
 
     def _dump_keys(self) -> list[str]:
         """Every key of every server (``lru_crawler metadump all``), unquoted."""
@@ -404,11 +761,11 @@ class MemcachedStore:
             keys.extend(self._dump_server(server))
         return keys
 
-    def _dump_server(self, server: tuple[str, int] | str) -> list[str]:
+    def _dump_server(self, server: Server) -> list[str]:
         deadline = time.monotonic() + 10
         while True:
-            with self._boundary():
-                answer = _metadump(server, self._scan_options)
+            with self._operation():
+                answer = _metadump(server, self.options)
             lines = answer.split("\n")
             last = lines[-1].strip()
             if last.startswith("BUSY") and time.monotonic() < deadline:
@@ -438,14 +795,14 @@ class MemcachedStore:
         flushed count is never lost silently. Counters never expire
         (memcached may still evict them under memory pressure).
         """
-        with self._boundary():
-            client = self.client()
+        with self._operation():
             for (task_name, event), n in counts.items():
                 physical = self._counter_key(prefix, task_name, event)
-                if client.incr(physical, n, noreply=False) is not None:
+                client = self.ring().client(physical)
+                if client.incr(physical, n) is not None:
                     continue
-                if not client.add(physical, str(n), 0, noreply=False):
-                    client.incr(physical, n, noreply=False)  # created meanwhile
+                if not client.add(physical, str(n), 0):
+                    client.incr(physical, n)  # created meanwhile
 
     def read_counts(self, prefix: str) -> dict[tuple[str, str], int]:
         """Every counter under ``prefix`` (a server walk plus ``get_many``)."""
@@ -453,16 +810,16 @@ class MemcachedStore:
         keys = [k for k in self._dump_keys() if k.startswith(head)]
         counts: dict[tuple[str, str], int] = {}
         for start in range(0, len(keys), SCAN_BATCH):
-            with self._boundary():
-                found = self.client().get_many(keys[start : start + SCAN_BATCH])
-            for physical, raw in found.items():
-                task_q, _, event_q = str(physical)[len(head) :].partition("/")
-                value = raw.decode() if isinstance(raw, bytes) else str(raw)
-                counts[(unquote(task_q), unquote(event_q))] = int(value.strip())
+            with self._operation():
+                found = self.ring().get_many(keys[start : start + SCAN_BATCH])
+                for physical, raw in found.items():
+                    task_q, _, event_q = physical[len(head) :].partition("/")
+                    value = raw.decode() if isinstance(raw, bytes) else str(raw)
+                    counts[(unquote(task_q), unquote(event_q))] = int(value.strip())
         return counts
 
 
-def _metadump(server: tuple[str, int] | str, options: Mapping[str, Any]) -> str:
+def _metadump(server: Server, options: Mapping[str, Any]) -> str:
     """The answer to ``lru_crawler metadump all`` on a dedicated connection.
 
     Dump lines end in ``\\n``; the answer ends at the first ``\\r\\n`` (after
@@ -492,16 +849,3 @@ def _metadump(server: tuple[str, int] | str, options: Mapping[str, Any]) -> str:
             if chunk.endswith(b"\r\n"):
                 break
     return b"".join(chunks)[:-2].decode("utf-8", "replace")
-
-
-def _make_client(servers: Sequence[tuple[str, int] | str], options: Mapping[str, Any]) -> Any:
-    """A thread-safe pymemcache client for ``servers``."""
-    from pymemcache.client.base import PooledClient
-    from pymemcache.client.hash import HashClient
-
-    kwargs = {"default_noreply": False, **options}
-    if len(servers) == 1:
-        return PooledClient(servers[0], **kwargs)
-    # retry_attempts=0: a failing server raises at once (never a silent default
-    # that would look like "held"), then its keys move to the other servers.
-    return HashClient(list(servers), **{"use_pooling": True, "retry_attempts": 0, **kwargs})

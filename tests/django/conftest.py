@@ -69,7 +69,7 @@ def lock_store(celery_app: Any, transactional_db: None) -> DjangoStore:
 def _flush(alias: str) -> None:
     from celery_dedup.contrib.django.models import DedupCounter, DedupLock
 
-    DedupLock.objects.using(alias).all().delete()
+    DedupLock.all_rows.using(alias).all().delete()
     DedupCounter.objects.using(alias).all().delete()
 
 

@@ -1,4 +1,10 @@
-"""The Django DB lock store: store-specific behaviour on SQLite and PostgreSQL."""
+"""The Django DB lock store: the whole contract and store-specific behaviour.
+
+On SQLite (the test database), PostgreSQL and MariaDB (aliases added at run
+time, like ``pg_alias`` in conftest.py), each also through its other code
+path: SQLite without ``RETURNING`` (a transaction per acquire), MariaDB
+without ``RETURNING`` (MySQL's upsert then read).
+"""
 
 from __future__ import annotations
 
@@ -8,9 +14,11 @@ from typing import Any
 
 import pytest
 from django.conf import settings
+from django.core.management import call_command
 from django.db import connections
 
 from celery_dedup.contrib.django import managers
+from celery_dedup.contrib.django.models import DedupCounter, DedupLock
 from celery_dedup.exceptions import StoreUnavailable
 from celery_dedup.stores import store_from_url
 from celery_dedup.stores.django import DjangoStore
@@ -18,7 +26,77 @@ from tests.fixtures._servers import free_port
 from tests.fixtures._store_case import StoreCase
 from tests.stores.contract import StoreContract
 
-META = {"task_name": "shop.tasks.sync_address", "policy": "success"}
+META = {"task_name": "shop.tasks.sync_address", "policy": "success", "task_id": "id-1"}
+
+MARIA_ALIAS = "dedup_maria"
+MARIA_DATABASE = "celery_dedup_django"
+
+
+def flush_all(alias: str) -> None:
+    """Empty the lock table, revoked markers included, and the counters."""
+    DedupLock.all_rows.using(alias).all().delete()
+    DedupCounter.objects.using(alias).all().delete()
+
+
+def add_alias(alias: str, config: dict[str, Any]) -> None:
+    """Add a ``DATABASES`` alias at run time, with Django's defaults filled in."""
+    full = connections.configure_settings({**connections.settings, alias: config})[alias]
+    settings.DATABASES[alias] = connections.settings[alias] = full
+
+
+def drop_alias(alias: str) -> None:
+    """Close and forget an alias added by ``add_alias``."""
+    connections[alias].close()
+    del connections.settings[alias]
+    settings.DATABASES.pop(alias, None)
+
+
+@pytest.fixture(scope="session")
+def maria_alias(mysql_server: Any, django_db_blocker: Any) -> Iterator[str]:
+    """A ``DATABASES`` alias on the session's MariaDB (through PyMySQL), migrated.
+
+    Other test modules import this fixture: the first to run creates the alias.
+    """
+    import pymysql
+
+    if MARIA_ALIAS in connections.settings:
+        yield MARIA_ALIAS
+        return
+
+    pymysql.install_as_MySQLdb()
+    conn = mysql_server.connect()
+    with conn.cursor() as cursor:
+        cursor.execute(f"DROP DATABASE IF EXISTS {MARIA_DATABASE}")
+        cursor.execute(f"CREATE DATABASE {MARIA_DATABASE} CHARACTER SET utf8mb4")
+    conn.close()
+    add_alias(
+        MARIA_ALIAS,
+        {
+            "ENGINE": "django.db.backends.mysql",
+            "NAME": MARIA_DATABASE,
+            "USER": "root",
+            "HOST": "127.0.0.1",
+            "PORT": str(mysql_server.port),
+        },
+    )
+    with django_db_blocker.unblock():
+        call_command("migrate", "celery_dedup", database=MARIA_ALIAS, verbosity=0)
+    yield MARIA_ALIAS
+    with django_db_blocker.unblock():
+        drop_alias(MARIA_ALIAS)
+
+
+@pytest.fixture
+def store_django_maria(maria_alias: str, django_db_blocker: Any) -> Iterator[StoreCase]:
+    """The Django DB store on MariaDB (``django-db://dedup_maria``)."""
+    with django_db_blocker.unblock():
+        flush_all(maria_alias)
+        yield StoreCase(
+            url=f"django-db://{maria_alias}",
+            store=DjangoStore(maria_alias),
+            flush=lambda: flush_all(maria_alias),
+        )
+        flush_all(maria_alias)
 
 
 class DjangoStoreBehaviour:
@@ -84,12 +162,13 @@ class TestSQLite(StoreContract, DjangoStoreBehaviour):
 
     @pytest.fixture
     def store_case(self, store_django_sqlite: StoreCase) -> StoreCase:
-        """The SQLite case."""
+        """The SQLite case (revoked markers of earlier tests flushed too)."""
+        flush_all("default")
         return store_django_sqlite
 
 
-class TestSQLitePortable(StoreContract, DjangoStoreBehaviour):
-    """The portable path (ORM transaction, used on MySQL and others), forced on SQLite."""
+class TestSQLiteWithoutReturning(StoreContract, DjangoStoreBehaviour):
+    """SQLite before 3.35 (no ``RETURNING``): acquire is a ``BEGIN IMMEDIATE`` transaction."""
 
     @pytest.fixture
     def store_case(
@@ -97,6 +176,7 @@ class TestSQLitePortable(StoreContract, DjangoStoreBehaviour):
     ) -> StoreCase:
         """The SQLite case without the upsert statement."""
         monkeypatch.setattr(managers, "_has_upsert_returning", lambda connection: False)
+        flush_all("default")
         return store_django_sqlite
 
 
@@ -104,32 +184,50 @@ class TestPostgres(StoreContract, DjangoStoreBehaviour):
     """The Django DB store on PostgreSQL."""
 
     @pytest.fixture
-    def store_case(self, store_django_postgres: StoreCase) -> StoreCase:
+    def store_case(self, store_django_postgres: StoreCase, pg_alias: str) -> StoreCase:
         """The PostgreSQL case."""
+        flush_all(pg_alias)
         return store_django_postgres
+
+
+class TestMariaDB(StoreContract, DjangoStoreBehaviour):
+    """The Django DB store on MariaDB (``INSERT … ON DUPLICATE KEY UPDATE … RETURNING``)."""
+
+    @pytest.fixture
+    def store_case(self, store_django_maria: StoreCase) -> StoreCase:
+        """The MariaDB case."""
+        return store_django_maria
+
+
+class TestMySQLPath(StoreContract, DjangoStoreBehaviour):
+    """MySQL's path (no ``RETURNING``: the upsert, then a read, in one transaction) on MariaDB."""
+
+    @pytest.fixture
+    def store_case(
+        self, store_django_maria: StoreCase, monkeypatch: pytest.MonkeyPatch
+    ) -> StoreCase:
+        """The MariaDB case without ``RETURNING``."""
+        monkeypatch.setattr(managers, "_has_upsert_returning", lambda connection: False)
+        return store_django_maria
 
 
 @pytest.fixture
 def down_alias(django_db_blocker: Any) -> Iterator[str]:
     """A DATABASES alias for a PostgreSQL port nothing listens on."""
     alias = "dedup_down"
-    config = connections.configure_settings(
+    add_alias(
+        alias,
         {
-            **connections.settings,
-            alias: {
-                "ENGINE": "django.db.backends.postgresql",
-                "NAME": "nowhere",
-                "HOST": "127.0.0.1",
-                "PORT": str(free_port()),
-                "OPTIONS": {"connect_timeout": 2},
-            },
-        }
-    )[alias]
-    settings.DATABASES[alias] = connections.settings[alias] = config
+            "ENGINE": "django.db.backends.postgresql",
+            "NAME": "nowhere",
+            "HOST": "127.0.0.1",
+            "PORT": str(free_port()),
+            "OPTIONS": {"connect_timeout": 2},
+        },
+    )
     with django_db_blocker.unblock():
         yield alias
-        connections[alias].close()
-    del connections.settings[alias]
+        drop_alias(alias)
 
 
 def test_unreachable_database_is_store_unavailable(down_alias: str) -> None:

@@ -1,19 +1,23 @@
-"""memcached and Django-cache stores: add/gets/cas semantics against a real memcached."""
+"""memcached store: add/gets/cas semantics, server clock, no failover, against real memcached."""
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import subprocess
 import sys
-import textwrap
+import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from celery_dedup.exceptions import ImproperlyConfigured, ScanNotSupported, StoreUnavailable
 from celery_dedup.stores import store_from_url
+from celery_dedup.stores.base import ClaimOutcome, RevokeOutcome
 from celery_dedup.stores.memcached import MemcachedStore, expiry_for, parse_servers
 from tests.fixtures._servers import free_port, running
 from tests.fixtures.memcached import MemcachedServer, memcached_argv
@@ -21,7 +25,9 @@ from tests.fixtures.redis import RedisServer
 
 pytestmark = pytest.mark.memcached
 
-META = {"task_name": "tasks.add", "policy": "success"}
+META = {"task_name": "tasks.add", "policy": "success", "task_id": "id-1"}
+#: a client clock this far off must change nothing but the times it reports
+SKEW = 31.0
 
 
 @pytest.fixture
@@ -32,6 +38,11 @@ def store(memcached_server: MemcachedServer) -> Iterator[MemcachedStore]:
     yield store
     store.close()
     memcached_server.flush()
+
+
+def _skewed(server: MemcachedServer, skew: float) -> MemcachedStore:
+    """A store on ``server`` whose host clock is ``skew`` seconds off."""
+    return MemcachedStore([("127.0.0.1", server.port)], clock=lambda: time.time() + skew)
 
 
 def _stats(server: MemcachedServer) -> dict[str, int]:
@@ -56,7 +67,7 @@ def test_acquire_free_key_is_one_add(
     store: MemcachedStore, memcached_server: MemcachedServer
 ) -> None:
     """Taking a free lock costs exactly one storage command and no read."""
-    store.get("warm-up")  # open the connection first
+    store.acquire("warm-up", "t0", 30, META)  # open the connection and read the clock first
     before = _stats(memcached_server)
     assert store.acquire("celery-dedup:tasks.add:aa", "t1", 30, META) is None
     after = _stats(memcached_server)
@@ -65,11 +76,13 @@ def test_acquire_free_key_is_one_add(
 
 
 def test_duplicate_returns_holder(store: MemcachedStore) -> None:
-    """A second owner gets the holder's owner, task, policy and remaining TTL back."""
+    """A second owner gets the holder's owner, task id, task, policy and remaining TTL back."""
     assert store.acquire("celery-dedup:tasks.add:bb", "t1", 30, META) is None
     holder = store.acquire("celery-dedup:tasks.add:bb", "t2", 30, META)
     assert holder is not None
-    assert (holder.owner, holder.task_name, holder.policy) == ("t1", "tasks.add", "success")
+    assert (holder.owner, holder.task_id, holder.task_name, holder.policy) == (
+        "t1", "id-1", "tasks.add", "success",
+    )
     assert holder.key == "celery-dedup:tasks.add:bb"
     assert 29 < holder.ttl <= 30
 
@@ -89,68 +102,197 @@ def test_release_is_owner_checked_compare_and_delete(
 
 
 def test_late_release_never_frees_a_newer_holder(store: MemcachedStore) -> None:
-    """After a take-over, the previous owner's release and extend are refused."""
+    """After a take-over, the previous owner's release, extend and claim are refused."""
     key = "celery-dedup:tasks.add:dd"
     store.acquire(key, "old", 30, META)
     previous = store.take_over(key, "new", 30, META)
     assert previous is not None and previous.owner == "old"
     assert store.release(key, "old") is False
     assert store.extend(key, "old", 60) is False
+    assert store.claim(key, "old", release=True, ttl=None, meta=META).outcome is ClaimOutcome.HELD
     lock = store.get(key)
     assert lock is not None and lock.owner == "new"
 
 
-def test_take_over_free_key_returns_none(store: MemcachedStore) -> None:
-    """Taking over a free key reports no previous holder and holds it."""
-    assert store.take_over("celery-dedup:tasks.add:ee", "t1", 30, META) is None
-    lock = store.get("celery-dedup:tasks.add:ee")
-    assert lock is not None and lock.owner == "t1"
-
-
-def test_extend_sets_new_expiry_and_keeps_owner(store: MemcachedStore) -> None:
-    """The owner's extend rewrites expires_at (via cas) and keeps owner and acquired_at."""
+def test_extend_sets_new_expiry_and_keeps_fields(store: MemcachedStore) -> None:
+    """The owner's extend rewrites the end (cas), keeping owner, task id, start, acquired_at."""
     key = "celery-dedup:tasks.add:ff"
-    store.acquire(key, "t1", 5, META)
+    store.acquire(key, "t1", 5, {**META, "started": "1"})
     first = store.get(key)
     assert store.extend(key, "t1", 100) is True
     lock = store.get(key)
     assert first is not None and lock is not None
-    assert lock.owner == "t1" and lock.acquired_at == first.acquired_at
+    assert (lock.owner, lock.task_id, lock.started) == ("t1", "id-1", True)
+    assert lock.acquired_at == first.acquired_at
     assert 99 < lock.ttl <= 100
 
 
-def test_expiry_rounds_up_and_lock_ends_at_exact_time(
+def test_expiry_for_memcached_seconds() -> None:
+    """TTLs become whole seconds rounded up plus one tick of memcached's clock."""
+    assert expiry_for(0.2) == 2
+    assert expiry_for(1.0) == 2
+    assert expiry_for(59.01) == 61
+
+
+def test_liveness_is_the_server_item_expiry(store: MemcachedStore) -> None:
+    """A lock holds until memcached drops its item (at least the TTL, under 2 s more)."""
+    key = "celery-dedup:tasks.add:hh"
+    started = time.monotonic()
+    store.acquire(key, "t1", 0.3, META)
+    time.sleep(0.4)
+    holder = store.acquire(key, "t2", 0.3, META)
+    assert holder is not None and holder.owner == "t1" and holder.ttl == 0
+    while store.acquire(key, "t2", 30, META) is not None:
+        time.sleep(0.05)
+    assert time.monotonic() - started < 2.5
+
+
+def test_long_ttl_is_a_unix_time_on_the_server_clock(
     store: MemcachedStore, memcached_server: MemcachedServer
 ) -> None:
-    """The item outlives its lock (ceil(ttl) + 1 s); the lock is free at expires_at exactly."""
-    key = "celery-dedup:tasks.add:gg"
-    now = time.time()
-    store.clock = lambda: now
-    store.acquire(key, "t1", 1.2, META)
-    store.clock = lambda: now + 1.3  # past expires_at, well within the item's 3 s
-    assert _raw_get(memcached_server, key) is not None
-    assert store.get(key) is None
-    assert store.release(key, "t1") is False
-    assert store.acquire(key, "t2", 10, META) is None  # cas over the stale record
+    """Beyond 30 days the expiry is absolute, computed on the server's clock, not the host's."""
+    skewed = _skewed(memcached_server, -10 * 86400.0)
+    try:
+        forty_days = 40 * 86400.0
+        assert skewed.acquire("celery-dedup:long", "t1", forty_days, META) is None
+        lock = store.get("celery-dedup:long")
+        # Two stores' readings of the server clock agree within about a second.
+        assert lock is not None and forty_days - 5 < lock.ttl <= forty_days + 1
+    finally:
+        skewed.close()
+
+
+def test_ttl_beyond_2038_never_expires(store: MemcachedStore) -> None:
+    """memcached cannot expire an item after 2038: such a lock is stored without expiry."""
+    ttl = 1e10
+    assert store.acquire("celery-dedup:forever", "t1", ttl, META) is None
+    lock = store.get("celery-dedup:forever")
+    assert lock is not None and ttl - 5 < lock.ttl <= ttl
+    assert store.claim("celery-dedup:forever", "t1", release=False, ttl=None, meta=META).outcome \
+        is ClaimOutcome.OWNED
+    assert store.extend("celery-dedup:forever", "t1", ttl) is True
+    assert store.release("celery-dedup:forever", "t1") is True
+
+
+@pytest.mark.parametrize("skew", [SKEW, -SKEW])
+def test_a_skewed_client_clock_changes_nothing(
+    store: MemcachedStore, memcached_server: MemcachedServer, skew: float
+) -> None:
+    """A host whose clock is 31 s off can neither take nor shorten a live 30-second lock.
+
+    Liveness is the item on the server; the times in the record are on the
+    server's clock; the skewed host reports them on its own clock.
+    """
+    skewed = _skewed(memcached_server, skew)
+    try:
+        assert store.acquire("celery-dedup:skew:a", "t1", 30, META) is None
+        holder = skewed.acquire("celery-dedup:skew:a", "t2", 30, META)
+        assert holder is not None and holder.owner == "t1"
+        assert holder.expires_at - skewed.clock() == pytest.approx(30, abs=1.5)
+        assert skewed.claim("celery-dedup:skew:a", "t2", release=False, ttl=30, meta=META).outcome \
+            is ClaimOutcome.HELD
+        # The skewed host's locks and its start check keep their TTL on the server.
+        assert skewed.acquire("celery-dedup:skew:b", "t3", 2, META) is None
+        claim = skewed.claim("celery-dedup:skew:b", "t3", release=False, ttl=None, meta=META)
+        assert claim.outcome is ClaimOutcome.OWNED
+        lock = store.get("celery-dedup:skew:b")
+        assert lock is not None and lock.started and 0.5 < lock.ttl <= 3
+        time.sleep(1.5)
+        assert store.acquire("celery-dedup:skew:b", "t4", 30, META) is not None
+        lock = store.get("celery-dedup:skew:a")
+        assert lock is not None and lock.owner == "t1" and 25 < lock.ttl <= 30
+    finally:
+        skewed.close()
+
+
+def test_claim_keeps_the_lock_end_within_the_margin(store: MemcachedStore) -> None:
+    """The start check rewrites the item with the remaining time plus 2 s, never less."""
+    key = "celery-dedup:claim:end"
+    started = time.monotonic()
+    store.acquire(key, "t1", 1, META)
+    assert store.claim(key, "t1", release=False, ttl=None, meta=META).outcome is ClaimOutcome.OWNED
+    time.sleep(1.1)
     lock = store.get(key)
-    assert lock is not None and lock.owner == "t2"
+    assert lock is not None and lock.started  # past its TTL, within the margin
+    while store.get(key) is not None:
+        time.sleep(0.1)
+    assert time.monotonic() - started < 5.5
 
 
-def test_expiry_for_memcached_seconds() -> None:
-    """TTLs become whole seconds rounded up plus one tick; beyond 30 days a Unix time."""
-    assert expiry_for(0.2, 1000.0) == 2
-    assert expiry_for(1.0, 1000.0) == 2
-    assert expiry_for(59.01, 1000.0) == 61
-    assert expiry_for(40 * 86400, 1000.5) == 1001 + 40 * 86400 + 1
+RACE_ROUNDS = 150
 
 
-def test_real_expiry_frees_the_lock(store: MemcachedStore) -> None:
-    """A lock with a sub-second TTL is free once that time has passed on the clock."""
-    key = "celery-dedup:tasks.add:hh"
-    store.acquire(key, "t1", 0.3, META)
-    assert store.acquire(key, "t2", 0.3, META) is not None
-    time.sleep(0.4)
-    assert store.acquire(key, "t2", 30, META) is None
+@pytest.mark.parametrize("held", [True, False], ids=["queued", "lock-expired"])
+def test_claim_racing_revoke_never_runs_a_revoked_message(
+    store: MemcachedStore, memcached_server: MemcachedServer, held: bool
+) -> None:
+    """A start check and a revoke of the same token, at the same moment, 150 times.
+
+    Whatever the interleaving of their round trips, a message that starts
+    (OWNED or FREE) is one the revoke saw running, never one it reported
+    released or not held.
+    """
+    other = MemcachedStore.from_url(memcached_server.url)
+    barrier = threading.Barrier(2)
+    claims: list[ClaimOutcome] = []
+    revokes: list[RevokeOutcome] = []
+    keys = [f"celery-dedup:race:{i:03d}" for i in range(RACE_ROUNDS)]
+    if held:
+        for key in keys:
+            assert store.acquire(key, "tok", 30, META) is None
+
+    def start_checks() -> None:
+        for key in keys:
+            barrier.wait()
+            claims.append(store.claim(key, "tok", release=False, ttl=30, meta=META).outcome)
+
+    def revokes_() -> None:
+        for key in keys:
+            barrier.wait()
+            revokes.append(other.revoke(key, "tok", 60))
+
+    threads = [threading.Thread(target=start_checks), threading.Thread(target=revokes_)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    finally:
+        other.close()
+    pairs = Counter(zip(claims, revokes, strict=True))
+    started = {ClaimOutcome.OWNED, ClaimOutcome.FREE}
+    ran_revoked = [p for p in pairs if p[0] in started and p[1] is not RevokeOutcome.RUNNING]
+    assert not ran_revoked, pairs
+    assert sum(pairs.values()) == RACE_ROUNDS
+    for key, claim in zip(keys, claims, strict=True):
+        lock = store.get(key)
+        assert (lock is not None) == (claim in started), (key, claim, lock)
+
+
+def test_reads_a_0_1_0_record(store: MemcachedStore, memcached_server: MemcachedServer) -> None:
+    """A record written by 0.1.0 (no task id, no start flag): the owner is its task id."""
+    now = time.time()
+    record = json.dumps({"k": "celery-dedup:old", "o": "task-id-1", "t": "tasks.add",
+                         "p": "success", "a": now, "e": now + 30})
+    client = memcached_server.client()
+    try:
+        client.set("celery-dedup:old", record, 31)
+    finally:
+        client.close()
+    holder = store.acquire("celery-dedup:old", "token", 30, META)
+    assert holder is not None
+    assert (holder.owner, holder.task_id, holder.started) == ("task-id-1", "task-id-1", False)
+    claim = store.claim("celery-dedup:old", "task-id-1", release=False, ttl=None, meta=META)
+    assert claim.outcome is ClaimOutcome.OWNED
+    lock = store.get("celery-dedup:old")
+    assert lock is not None and lock.started and lock.task_id == "task-id-1"
+
+
+def test_markers_are_never_listed(store: MemcachedStore) -> None:
+    """Revoked markers share no key with locks and never decode as one (scan of a bare prefix)."""
+    store.acquire("celery-dedup:m:1", "t1", 30, META)
+    assert store.revoke("celery-dedup:m:2", "t2", 30) is RevokeOutcome.NOT_HELD
+    assert [lock.key for lock in store.scan("celery-dedup")] == ["celery-dedup:m:1"]
 
 
 def test_long_and_unsafe_keys_are_hashed(
@@ -172,37 +314,31 @@ def test_long_and_unsafe_keys_are_hashed(
 
 def test_scan_lists_live_locks_under_prefix(store: MemcachedStore) -> None:
     """scan walks the server's keys and yields only live locks under the prefix."""
-    now = time.time()
     for i in range(5):
         store.acquire(f"celery-dedup:tasks.a:{i}", f"o{i}", 30, META)
     store.acquire("celery-dedup:tasks.b:0", "b", 30, META)
     store.acquire("other:tasks.a:0", "x", 30, META)
-    store.acquire("celery-dedup:tasks.a:short", "s", 1, META)
-    store.clock = lambda: now + 2
     found = {lock.key: lock.owner for lock in store.scan("celery-dedup:tasks.a:")}
     assert found == {f"celery-dedup:tasks.a:{i}": f"o{i}" for i in range(5)}
 
 
 def test_several_servers_spread_keys_and_scan_all(
-    memcached_server: MemcachedServer, tmp_path: Path
+    memcached_pair: tuple[MemcachedServer, MemcachedServer],
 ) -> None:
     """A ';'-separated URL spreads locks over both servers and scan finds them on each."""
-    port = free_port()
-    with running(memcached_argv(port), port, log=tmp_path / "mc2.log"):
-        url = f"cache+memcached://127.0.0.1:{memcached_server.port};127.0.0.1:{port}/"
-        store = store_from_url(url)
-        assert isinstance(store, MemcachedStore)
-        try:
-            memcached_server.flush()
-            keys = [f"celery-dedup:tasks.spread:{i:02d}" for i in range(40)]
-            for key in keys:
-                assert store.acquire(key, "o", 30, META) is None
-            on_first = [k for k in keys if _raw_get(memcached_server, k) is not None]
-            assert 0 < len(on_first) < len(keys)
-            assert sorted(lock.key for lock in store.scan("celery-dedup:")) == keys
-            assert all(store.release(k, "o") for k in keys)
-        finally:
-            store.close()
+    first, second = memcached_pair
+    store = store_from_url(f"cache+memcached://127.0.0.1:{first.port};127.0.0.1:{second.port}/")
+    assert isinstance(store, MemcachedStore)
+    try:
+        keys = [f"celery-dedup:tasks.spread:{i:02d}" for i in range(40)]
+        for key in keys:
+            assert store.acquire(key, "o", 30, META) is None
+        on_first = [k for k in keys if _raw_get(first, k) is not None]
+        assert 0 < len(on_first) < len(keys)
+        assert sorted(lock.key for lock in store.scan("celery-dedup:")) == keys
+        assert all(store.release(k, "o") for k in keys)
+    finally:
+        store.close()
 
 
 def test_scan_refused_raises_typed_error(tmp_path: Path) -> None:
@@ -286,83 +422,113 @@ def test_store_modules_import_no_driver() -> None:
     assert out.stdout.strip() == "[]"
 
 
-DJANGO_SCRIPT = textwrap.dedent(
-    """
-    import json, sys, time
-    import django
-    from django.conf import settings
-    settings.configure(CACHES={
-        "default": {"BACKEND": "django.core.cache.backends.memcached.PyMemcacheCache",
-                    "LOCATION": sys.argv[1], "KEY_PREFIX": "site"},
-        "redis": {"BACKEND": "django.core.cache.backends.redis.RedisCache",
-                  "LOCATION": sys.argv[2]},
-        "loc": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
-        "dummy": {"BACKEND": "django.core.cache.backends.dummy.DummyCache"},
-    })
-    django.setup()
-    from celery_dedup.stores import store_from_url
-    from celery_dedup.exceptions import ScanNotSupported
-    meta = {"task_name": "t", "policy": "success"}
-    out = {}
-    for url in ("django-cache", "django-cache://redis", "django-cache://loc"):
-        s = store_from_url(url)
-        key = "celery-dedup:t:" + url
-        row = [type(s.locks()).__name__, s.acquire(key, "a", 30, meta) is None]
-        holder = s.acquire(key, "b", 30, meta)
-        row += [holder.owner, s.release(key, "b"), s.extend(key, "a", 60),
-                round(s.get(key).ttl), s.take_over(key, "c", 30, meta).owner,
-                s.release(key, "a"), s.release(key, "c"), s.get(key)]
-        try:
-            row.append(sorted(l.key for l in s.scan("celery-dedup:")))
-        except ScanNotSupported:
-            row.append("no-scan")
-        out[url] = row
+def test_bad_options_are_configuration_errors(memcached_server: MemcachedServer) -> None:
+    """HashClient failover options and a key prefix memcached refuses fail at construction."""
+    with pytest.raises(ImproperlyConfigured, match="retry_attempts"):
+        store_from_url(memcached_server.url, options={"retry_attempts": 2, "timeout": 0.5})
+    with pytest.raises(ImproperlyConfigured, match="key_prefix"):
+        store_from_url(memcached_server.url, options={"key_prefix": "my app:"})
+
+
+def test_wrong_protocol_server_is_unavailable(redis_server: RedisServer) -> None:
+    """A memcached:// URL at a Redis port gives StoreUnavailable, never a raw driver error."""
+    from pymemcache.exceptions import MemcacheError
+
+    store = MemcachedStore.from_url(f"memcached://127.0.0.1:{redis_server.port}")
     try:
-        store_from_url("django-cache://dummy")
-    except Exception as exc:
-        out["dummy"] = type(exc).__name__
-    print(json.dumps(out))
-    """
-)
+        calls = [
+            lambda: store.acquire("celery-dedup:t:1", "o", 30, META),
+            lambda: store.get("celery-dedup:t:1"),
+            lambda: store.release("celery-dedup:t:1", "o"),
+            lambda: store.claim("celery-dedup:t:1", "o", release=False, ttl=30, meta=META),
+            lambda: store.revoke("celery-dedup:t:1", "o", 30),
+            lambda: store.add_counts("celery-dedup", {("t", "acquired"): 1}),
+        ]
+        for call in calls:
+            with pytest.raises(StoreUnavailable, match="did not answer as memcached") as info:
+                call()
+            assert isinstance(info.value.__cause__, MemcacheError | ValueError)
+    finally:
+        store.close()
 
 
-def test_django_cache_store_backends(
-    memcached_server: MemcachedServer, redis_url: str, tmp_path: Path
+# -- several servers: a key never moves while its server is alive -----------------------------
+
+PAUSE_KEYS = [f"celery-dedup:pause:{i:03d}" for i in range(200)]
+PAUSE_RACERS = 4
+
+
+def _pause_racer(url: str, owner: str, ready: Any, deadline: float, results: Any) -> None:
+    """Acquire every key once, wait for the pause, then keep acquiring until the deadline."""
+    wins: Counter[str] = Counter()
+    unavailable = 0
+    try:
+        store = store_from_url(url)
+        for key in PAUSE_KEYS:
+            if store.acquire(key, owner, 60, META) is None:
+                wins[key] += 1
+        ready.wait()
+        while time.monotonic() < deadline:
+            for key in PAUSE_KEYS:
+                try:
+                    if store.acquire(key, owner, 60, META) is None:
+                        wins[key] += 1
+                except StoreUnavailable:
+                    unavailable += 1
+        results.put((owner, dict(wins), unavailable))
+    except BaseException as exc:
+        results.put((owner, repr(exc), 0))
+        raise
+
+
+@pytest.mark.slow
+def test_paused_server_never_lets_a_second_holder_in(
+    memcached_pair: tuple[MemcachedServer, MemcachedServer],
 ) -> None:
-    """django-cache uses cas on PyMemcacheCache, Lua on RedisCache, get/delete elsewhere."""
-    script = tmp_path / "django_cache.py"
-    script.write_text(DJANGO_SCRIPT)
-    out = subprocess.run(
-        [sys.executable, str(script), f"127.0.0.1:{memcached_server.port}", redis_url],
-        capture_output=True, text=True, cwd=Path(__file__).parents[2], timeout=60, check=False,
-    )
-    assert out.returncode == 0, out.stderr
-    rows = json.loads(out.stdout)
-    common = ["a", False, True, 60, "a", False, True, None]
-    assert rows["django-cache"] == ["MemcachedStore", True, *common, []]
-    assert rows["django-cache://redis"] == ["RedisStore", True, *common, []]
-    assert rows["django-cache://loc"] == ["_GenericCacheLocks", True, *common, "no-scan"]
-    assert rows["dummy"] == "ImproperlyConfigured"
+    """One of two servers frozen for 1 s while 4 processes race for its keys: one winner each.
 
-
-def test_django_cache_unknown_alias(redis_server: RedisServer) -> None:
-    """An alias missing from settings.CACHES is an ImproperlyConfigured naming it."""
-    code = textwrap.dedent(
-        """
-        import django
-        from django.conf import settings
-        settings.configure(CACHES={"default": {
-            "BACKEND": "django.core.cache.backends.locmem.LocMemCache"}})
-        django.setup()
-        from celery_dedup.stores import store_from_url
-        from celery_dedup.exceptions import ImproperlyConfigured
-        try:
-            store_from_url("django-cache://nope")
-        except ImproperlyConfigured as exc:
-            print(exc)
-        """
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=Path(__file__).parents[2], timeout=60, check=False)
-    assert "'nope'" in out.stdout, out.stderr
-    assert issubclass(ImproperlyConfigured, Exception)
+    Its keys raise StoreUnavailable while it is frozen (a client with
+    failover would move them to the other server, where a second owner
+    would take them), and are held again by their first owner after.
+    """
+    first, second = memcached_pair
+    # A client timeout shorter than the pause, so calls do notice it.
+    url = f"memcached://127.0.0.1:{first.port};127.0.0.1:{second.port}/?timeout=0.5"
+    context = multiprocessing.get_context("fork")
+    ready = context.Barrier(PAUSE_RACERS + 1)
+    results = context.Queue()
+    deadline = time.monotonic() + 4.0
+    racers = [
+        context.Process(target=_pause_racer, args=(url, f"owner-{i}", ready, deadline, results))
+        for i in range(PAUSE_RACERS)
+    ]
+    for racer in racers:
+        racer.start()
+    try:
+        ready.wait(timeout=60)
+        time.sleep(0.2)
+        with first.paused():
+            time.sleep(1.0)
+        outcomes = [results.get(timeout=60) for _ in racers]
+    finally:
+        for racer in racers:
+            racer.join(30)
+    wins: Counter[str] = Counter()
+    owners: dict[str, str] = {}
+    unavailable = 0
+    for owner, won, failed in outcomes:
+        assert isinstance(won, dict), f"{owner} failed: {won}"
+        wins.update(won)
+        owners.update(dict.fromkeys(won, owner))
+        unavailable += failed
+    assert unavailable > 0, "no call noticed the paused server"
+    assert wins == Counter(dict.fromkeys(PAUSE_KEYS, 1))
+    store = store_from_url(url)
+    try:
+        for key in PAUSE_KEYS:
+            lock = store.get(key)
+            assert lock is not None and lock.owner == owners[key], key
+        on_first = [k for k in PAUSE_KEYS if _raw_get(first, k) is not None]
+        assert 0 < len(on_first) < len(PAUSE_KEYS)
+    finally:
+        store.close()

@@ -13,10 +13,13 @@ __all__ = ["DedupCounter", "DedupLock"]
 
 
 class DedupLock(models.Model):  # type: ignore[misc]
-    """One held (or expired, not yet reused) lock.
+    """One held (or expired, not yet reused) lock, or a revoked marker.
 
     Times are epoch seconds by the database's clock; a row whose
     ``expires_at`` has passed is free and is taken over by the next acquire.
+    Revoked markers (``policy == "revoked"``, keyed by
+    ``revoked_marker_key``) share the table: ``objects`` never returns them,
+    ``all_rows`` does.
     """
 
     key = models.CharField(
@@ -25,7 +28,11 @@ class DedupLock(models.Model):  # type: ignore[misc]
         primary_key=True,
         help_text=_("{prefix}:{task name}:{sha256 of the call's identity}"),
     )
-    owner = models.CharField(_("holder task id"), max_length=255)
+    owner = models.CharField(
+        _("owner token"),
+        max_length=255,
+        help_text=_("Random per publish: only the holder's message knows it."),
+    )
     token = models.CharField(
         _("lease token"),
         max_length=32,
@@ -33,10 +40,23 @@ class DedupLock(models.Model):  # type: ignore[misc]
     )
     task_name = models.CharField(_("task name"), max_length=255)
     policy = models.CharField(_("unique until"), max_length=16)
+    task_id = models.CharField(
+        _("holder task id"),
+        max_length=255,
+        blank=True,
+        default="",
+        help_text=_("Empty on rows written by 0.1.0, whose owner was the task id."),
+    )
+    started = models.BooleanField(
+        _("started"), default=False, help_text=_("The holder's message passed its start check.")
+    )
     acquired_at = models.FloatField(_("acquired at (epoch seconds)"))
     expires_at = models.FloatField(_("expires at (epoch seconds)"))
 
+    #: locks only (revoked markers excluded): use it for any listing or count
     objects = LockManager()
+    #: every row, revoked markers included (maintenance, flushing a test database)
+    all_rows = models.Manager()
 
     class Meta:
         db_table = "celery_dedup_lock"
