@@ -22,6 +22,7 @@ from .exceptions import (
     InvalidOptionError,
     MissingDeduplicationKey,
     ScanNotSupported,
+    StoreContention,
     StoreUnavailable,
 )
 from .identity import Identity, time_bucket
@@ -57,6 +58,7 @@ __all__ = [
     "OnDuplicate",
     "RevokeOutcome",
     "ScanNotSupported",
+    "StoreContention",
     "StoreUnavailable",
     "UniqueUntil",
     "dedup_fallback",

@@ -9,12 +9,18 @@ The hierarchy::
     ├── DuplicateTaskError                     on_duplicate="raise" and the key is held
     ├── DeduplicationUnavailable (RuntimeError) no usable store and dedup_fallback="closed"
     ├── StoreUnavailable (ConnectionError)     the lock store cannot be reached
+    ├── StoreContention                        the store stayed contended after bounded retries
     ├── ScanNotSupported (NotImplementedError) the store cannot list its locks (memcached)
     └── ImproperlyConfigured                   unknown store scheme or missing driver
         (also celery.exceptions.ImproperlyConfigured)
 
-Context lives in keyword-only attributes; the holder's task id never enters a
-message, so messages are safe to show to an API client.
+Context lives in attributes; the holder's task id never enters a message, so
+messages are safe to show to an API client.
+
+Every exception keeps its constructor's arguments, in order, in ``args``, so
+``type(exc)(*exc.args)`` rebuilds it with the same fields: that is how pickle
+and Celery's JSON result backend bring an exception raised inside a task back
+to the caller.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ __all__ = [
     "InvalidOptionError",
     "MissingDeduplicationKey",
     "ScanNotSupported",
+    "StoreContention",
     "StoreUnavailable",
 ]
 
@@ -47,24 +54,56 @@ E_INVALID_OPTION = "{option}={value!r} is not valid; expected {allowed}"
 class DedupError(Exception):
     """Root of every celery-dedup exception."""
 
+    def _keep(self, message: str, *args: Any) -> None:
+        """Show ``message``; keep the constructor's ``args`` (they rebuild the exception)."""
+        self.args = args
+        self._message = message
+
+    def __str__(self) -> str:
+        message: str | None = self.__dict__.get("_message")
+        return super().__str__() if message is None else message
+
 
 class InvalidOptionError(DedupError, ValueError):
-    """An option (per call, task attribute or setting) has a value it cannot take."""
+    """An option (per call, task attribute or setting) has a value it cannot take.
 
-    def __init__(self, option: str, value: Any, allowed: str | Iterable[str]) -> None:
+    ``task_name``, when known, prefixes the message.
+    """
+
+    def __init__(
+        self,
+        option: str,
+        value: Any,
+        allowed: str | Iterable[str],
+        task_name: str | None = None,
+    ) -> None:
         if not isinstance(allowed, str):
             allowed = "one of " + ", ".join(repr(choice) for choice in allowed)
-        super().__init__(E_INVALID_OPTION.format(option=option, value=value, allowed=allowed))
         self.option = option
         self.value = value
         self.allowed = allowed
+        self.name_task(task_name)
+
+    def name_task(self, task_name: str | None) -> None:
+        """Say which task the option belongs to (message, ``task_name`` and ``args``)."""
+        self.task_name = task_name
+        message = E_INVALID_OPTION.format(
+            option=self.option, value=self.value, allowed=self.allowed
+        )
+        self._keep(
+            f"{task_name}: {message}" if task_name else message,
+            self.option,
+            self.value,
+            self.allowed,
+            task_name,
+        )
 
 
 class DedupKeyError(DedupError, TypeError):
     """An argument cannot be canonicalised into a deduplication key."""
 
-    def __init__(self, message: str, *, argument: str, task_name: str | None = None) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, argument: str, task_name: str | None = None) -> None:
+        self._keep(message, message, argument, task_name)
         self.argument = argument
         self.task_name = task_name
 
@@ -72,8 +111,8 @@ class DedupKeyError(DedupError, TypeError):
 class MissingDeduplicationKey(DedupError, ValueError):
     """``identity="caller_provided"`` was used without a ``deduplication_key``."""
 
-    def __init__(self, *, task_name: str) -> None:
-        super().__init__(E_MISSING_KEY.format(task_name=task_name))
+    def __init__(self, task_name: str) -> None:
+        self._keep(E_MISSING_KEY.format(task_name=task_name), task_name)
         self.task_name = task_name
 
 
@@ -85,9 +124,9 @@ class DuplicateTaskError(DedupError):
     """
 
     def __init__(
-        self, *, task_name: str, key: str, existing_task_id: str, ttl: float | None
+        self, task_name: str, key: str, existing_task_id: str, ttl: float | None
     ) -> None:
-        super().__init__(E_DUPLICATE.format(task_name=task_name))
+        self._keep(E_DUPLICATE.format(task_name=task_name), task_name, key, existing_task_id, ttl)
         self.task_name = task_name
         self.key = key
         self.existing_task_id = existing_task_id
@@ -95,15 +134,16 @@ class DuplicateTaskError(DedupError):
 
     def __repr__(self) -> str:
         return (
-            f"DuplicateTaskError(task_name={self.task_name!r}, key={self.key!r}, ttl={self.ttl!r})"
+            f"{type(self).__name__}(task_name={self.task_name!r}, key={self.key!r}, "
+            f"ttl={self.ttl!r})"
         )
 
 
 class DeduplicationUnavailable(DedupError, RuntimeError):
     """No lock could be taken and ``dedup_fallback="closed"``: nothing was published."""
 
-    def __init__(self, message: str, *, task_name: str, reason: str) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, task_name: str, reason: str) -> None:
+        self._keep(message, message, task_name, reason)
         self.task_name = task_name
         self.reason = reason
 
@@ -111,16 +151,29 @@ class DeduplicationUnavailable(DedupError, RuntimeError):
 class StoreUnavailable(DedupError, ConnectionError):
     """The lock store could not be reached (refused, timed out, gone away)."""
 
-    def __init__(self, message: str, *, store: str) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, store: str) -> None:
+        self._keep(message, message, store)
+        self.store = store
+
+
+class StoreContention(DedupError):
+    """The store stayed contended (deadlocks, lock waits) after bounded retries.
+
+    The store is reachable, so this is never a reason to publish without a
+    lock (unlike ``StoreUnavailable``, which ``dedup_fallback`` may turn into
+    an unlocked publish).
+    """
+
+    def __init__(self, message: str, store: str) -> None:
+        self._keep(message, message, store)
         self.store = store
 
 
 class ScanNotSupported(DedupError, NotImplementedError):
     """The store cannot list its locks (``scan``), though every other operation works."""
 
-    def __init__(self, message: str, *, store: str) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, store: str) -> None:
+        self._keep(message, message, store)
         self.store = store
 
 

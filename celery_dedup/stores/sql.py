@@ -1,37 +1,35 @@
 """SQL lock store (SQLAlchemy Core): PostgreSQL, MySQL/MariaDB and SQLite.
 
-A lock is a row of ``celery_dedup_lock`` keyed on the lock key. Times are
+A lock is a row of ``celery_dedup_sql_lock`` keyed on the lock key; a
+revoked owner token is a row of ``celery_dedup_sql_revoked``. Times are
 epoch seconds read from the database's clock inside each statement, so
 producers and workers with skewed clocks agree on expiry. Every operation
 runs on an autocommit connection, so a single-statement operation is one
 round trip: no ``BEGIN``/``COMMIT`` around it.
 
-``acquire`` is one upsert that inserts the row, or takes over an expired
-one, and returns the holder:
+- PostgreSQL: every operation is one statement (data-modifying CTEs).
+- SQLite ≥ 3.35 and MySQL/MariaDB: acquire is one upsert (MySQL: plus a
+  read), the worker's start check is one ``UPDATE``/``DELETE`` when the
+  holder starts; take-over, revoke and the other start checks are short
+  transactions that lock the key's row first.
 
-- PostgreSQL: ``INSERT … ON CONFLICT (key) DO UPDATE … WHERE <expired>
-  RETURNING`` in a CTE, with the live holder read by the same statement.
-- MariaDB ≥ 10.5: ``INSERT … ON DUPLICATE KEY UPDATE col = IF(<expired>, new,
-  old) … RETURNING``.
-- MySQL: the same upsert, then a read of the row (two round trips).
-- SQLite ≥ 3.35: ``INSERT … ON CONFLICT DO UPDATE … WHERE <expired>
-  RETURNING``, plus a read of the holder when the key is held (in process:
-  no round trip).
-
-Expired rows are never reported and are taken over in place; a ``DELETE`` of
-expired rows runs at most once per ``reap_interval`` seconds per process,
-after an acquire. ``docs/stores/sql.md`` shows the exact SQL per dialect.
+Deadlocks, lock-wait timeouts and serialization failures are retried with
+jittered backoff and never become ``StoreUnavailable``; expired rows are
+deleted at most once per ``reap_interval`` seconds per process, after an
+acquire. ``docs/stores/sql.md`` shows the exact SQL per dialect.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import random
 import secrets
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -44,21 +42,32 @@ from sqlalchemy import (
 from sqlalchemy.engine import Connection, Engine, Row, make_url
 from sqlalchemy.engine.default import DefaultDialect
 from sqlalchemy.exc import (
+    ArgumentError,
     DatabaseError,
+    DBAPIError,
     NoSuchModuleError,
-    OperationalError,
+    NotSupportedError,
+    ProgrammingError,
 )
 
-from ..exceptions import ImproperlyConfigured
-from .base import Lock, LockMeta, unavailable_on
+from ..exceptions import ImproperlyConfigured, StoreContention
+from .base import (
+    Claim,
+    Lock,
+    LockMeta,
+    RevokeOutcome,
+    revoked_marker_key,
+    unavailable_on,
+)
 from .sql_dialects import (
-    _MYSQL_DEADLOCK,
-    _RACE_RETRIES,
     COUNTER_TABLE,
+    E_CONTENTION,
     E_KEY_TOO_LONG,
     E_NO_DIALECT,
+    E_REFUSED,
     KEY_LENGTH,
     LOCK_TABLE,
+    REVOKED_TABLE,
     UNREACHABLE,
     T,
     _Dialect,
@@ -66,10 +75,12 @@ from .sql_dialects import (
     _like_prefix,
     _missing_driver,
     _pick_dialect,
-    _set_utc,
+    _set_session,
     counter_table,
+    is_contention,
     lock_table,
     metadata,
+    revoked_table,
 )
 
 if TYPE_CHECKING:
@@ -78,13 +89,27 @@ if TYPE_CHECKING:
 __all__ = [
     "COUNTER_TABLE",
     "LOCK_TABLE",
+    "REVOKED_TABLE",
     "SQLStore",
     "counter_table",
     "lock_table",
     "metadata",
+    "revoked_table",
 ]
 
 logger = logging.getLogger("celery_dedup")
+
+#: Seconds a PostgreSQL connection attempt may take (libpq's
+#: ``connect_timeout``), unless the URL or ``connect_args`` set one: a port
+#: that does not speak PostgreSQL then fails fast instead of hanging.
+CONNECT_TIMEOUT = 10
+#: A lost race (deadlock, lock wait, serialization failure) is run again up
+#: to this many tries in all, within this many seconds, sleeping a jittered
+#: backoff that doubles from the base up to the cap between tries.
+CONTENTION_TRIES = 12
+CONTENTION_BUDGET = 10.0
+_BACKOFF_BASE = 0.005
+_BACKOFF_CAP = 0.25
 
 _STORES: weakref.WeakSet[SQLStore] = weakref.WeakSet()
 
@@ -123,11 +148,16 @@ class SQLStore:
         self.reap_interval = reap_interval
         options = dict(engine_options or {})
         try:
-            backend = make_url(url).get_dialect()
-        except NoSuchModuleError as exc:
+            parsed = make_url(url)
+            backend = parsed.get_dialect()
+        except (ArgumentError, NoSuchModuleError) as exc:
             raise ImproperlyConfigured(
                 E_NO_DIALECT.format(url=maybe_sanitize_url(url), error=exc)
             ) from exc
+        if backend.driver in ("psycopg", "psycopg2") and "connect_timeout" not in parsed.query:
+            options["connect_args"] = {
+                "connect_timeout": CONNECT_TIMEOUT, **(options.get("connect_args") or {})
+            }
         # Every operation is one statement or an explicit transaction, so the
         # driver must not wrap statements in BEGIN/COMMIT round trips.
         options["isolation_level"] = "AUTOCOMMIT"
@@ -140,7 +170,7 @@ class SQLStore:
                 _missing_driver(url, backend.name, backend.driver, exc)
             ) from exc
         if self.engine.dialect.name in ("mysql", "mariadb"):
-            event.listen(self.engine, "connect", _set_utc)
+            event.listen(self.engine, "connect", _set_session)
         self._dialect: _Dialect | None = None
         self._ready_lock = threading.Lock()
         self._next_reap = time.monotonic() + reap_interval
@@ -171,8 +201,17 @@ class SQLStore:
 
     def create_tables(self) -> None:
         """Create the tables if they are missing (done once on first use)."""
-        with unavailable_on(UNREACHABLE, self.name, self._describe):
+        with self._errors():
             self._ready()
+
+    @contextmanager
+    def _errors(self) -> Iterator[None]:
+        """The one boundary every driver error crosses into a celery-dedup error."""
+        try:
+            with unavailable_on(UNREACHABLE, self.name, self._describe):
+                yield
+        except (ProgrammingError, NotSupportedError) as exc:
+            raise ImproperlyConfigured(E_REFUSED.format(where=self.label, error=exc.orig)) from exc
 
     def _ready(self) -> _Dialect:
         if self._dialect is not None:
@@ -194,26 +233,36 @@ class SQLStore:
                 metadata.create_all(self.engine, checkfirst=True)
                 return
             except DatabaseError:
-                if {LOCK_TABLE, COUNTER_TABLE} <= set(inspect(self.engine).get_table_names()):
+                if set(metadata.tables) <= set(inspect(self.engine).get_table_names()):
                     return
                 if attempt == 9:
                     raise
                 time.sleep(0.05 * (attempt + 1))
 
-    def _run(self, operation: Callable[[_Dialect, Connection], T]) -> T:
-        with unavailable_on(UNREACHABLE, self.name, self._describe):
+    def _run(self, operation: Callable[[_Dialect, Connection], T], key: str = "") -> T:
+        """Run ``operation`` on a pooled connection; run it again after a lost race."""
+        with self._errors():
             dialect = self._ready()
-            for attempt in range(_RACE_RETRIES):
+            deadline = time.monotonic() + CONTENTION_BUDGET
+            tries = 0
+            while True:
+                tries += 1
                 try:
                     with self.engine.connect() as conn:
                         return operation(dialect, conn)
-                except OperationalError as exc:
-                    # InnoDB breaks a deadlock by failing one transaction; it
-                    # is safe to run again.
-                    code = exc.orig.args[0] if exc.orig is not None and exc.orig.args else None
-                    if code != _MYSQL_DEADLOCK or attempt == _RACE_RETRIES - 1:
+                except DBAPIError as exc:
+                    # The database broke a deadlock or a wait by failing us;
+                    # nothing was written, so it is safe to run again.
+                    if not is_contention(exc):
                         raise
-            raise AssertionError("unreachable")  # pragma: no cover
+                    if tries >= CONTENTION_TRIES or time.monotonic() >= deadline:
+                        message = E_CONTENTION.format(key=key, tries=tries)
+                        raise StoreContention(f"{message}: {exc.orig}", store=self.name) from exc
+                    logger.debug(
+                        "celery-dedup: %s lost a race on %r (%s); trying again",
+                        self.label, key, exc.orig,
+                    )
+                time.sleep(_backoff(tries))
 
     def _params(self, key: str, owner: str, ttl: float, meta: LockMeta) -> dict[str, Any]:
         if len(key) > KEY_LENGTH:
@@ -221,10 +270,13 @@ class SQLStore:
         return {
             "b_key": key,
             "b_owner": owner,
+            "b_task_id": meta.get("task_id", "")[:255],
             "b_task_name": meta.get("task_name", "")[:255],
             "b_policy": meta.get("policy", "")[:32],
+            "b_started": meta.get("started") == "1",
             "b_token": secrets.token_hex(16),
             "b_ttl": float(ttl),
+            "b_marker": revoked_marker_key(key, owner),
         }
 
     @staticmethod
@@ -240,6 +292,9 @@ class SQLStore:
             acquired_at=now - (db_now - float(row.acquired_at)),
             expires_at=now + (float(row.expires_at) - db_now),
             policy=row.policy,
+            # A lock taken without a task id reports its owner (see LockMeta).
+            task_id=row.task_id or row.owner,
+            started=bool(row.started),
         )
 
     # -- LockStore ---------------------------------------------------------
@@ -247,35 +302,63 @@ class SQLStore:
     def acquire(self, key: str, owner: str, ttl: float, meta: LockMeta) -> Lock | None:
         """Take the lock if free or expired, else return the holder (one upsert)."""
         params = self._params(key, owner, ttl, meta)
-        row = self._run(lambda d, conn: d.acquire(conn, params))
+        row = self._run(lambda d, conn: d.acquire(conn, params), key)
         self._maybe_reap()
         return None if row is None else self._lock(key, row)
 
     def release(self, key: str, owner: str) -> bool:
         """Delete the row if ``owner`` holds it and it is live (one DELETE)."""
         params = {"b_key": key, "b_owner": owner}
-        return self._run(lambda d, conn: conn.execute(d.release, params).rowcount > 0)
+        return self._run(lambda d, conn: conn.execute(d.release, params).rowcount > 0, key)
 
     def extend(self, key: str, owner: str, ttl: float) -> bool:
         """Set the expiry to now + ``ttl`` if ``owner`` holds the live lock (one UPDATE)."""
         params = {"b_key": key, "b_owner": owner, "b_ttl": float(ttl)}
-        return self._run(lambda d, conn: conn.execute(d.extend, params).rowcount > 0)
+        return self._run(lambda d, conn: conn.execute(d.extend, params).rowcount > 0, key)
 
     def take_over(self, key: str, owner: str, ttl: float, meta: LockMeta) -> Lock | None:
         """Make ``owner`` the holder; return the previous live holder.
 
-        One statement on PostgreSQL; a short transaction (read with the row
-        locked, then write) on MySQL/MariaDB and SQLite.
+        One statement on PostgreSQL; a short transaction that inserts the row
+        or locks the existing one first on MySQL/MariaDB and SQLite.
         """
         params = self._params(key, owner, ttl, meta)
-        row = self._run(lambda d, conn: d.take_over(conn, params))
+        row = self._run(lambda d, conn: d.take_over(conn, params), key)
         if row is None or float(row.expires_at) <= float(row.now):
             return None
         return self._lock(key, row)
 
+    def claim(
+        self, key: str, owner: str, *, release: bool, ttl: float | None, meta: LockMeta
+    ) -> Claim:
+        """The worker's start check (see ``LockStore.claim``).
+
+        One statement on PostgreSQL. On MySQL/MariaDB and SQLite one
+        ``UPDATE`` (or ``DELETE`` with ``release``) when ``owner`` holds the
+        key and is not revoked, the common case; else a short transaction.
+        """
+        params = self._params(key, owner, ttl or 0.0, {**meta, "started": "1"})
+        params["b_release"] = release
+        params["b_take"] = ttl is not None and not release
+        outcome, row = self._run(lambda d, conn: d.claim(conn, params), key)
+        return Claim(outcome, None if row is None else self._lock(key, row))
+
+    def revoke(self, key: str, owner: str, ttl: float) -> RevokeOutcome:
+        """Write the revoked marker of ``owner``; release its lock unless it started.
+
+        One statement on PostgreSQL; a short transaction elsewhere.
+        """
+        params = self._params(key, owner, ttl, {})
+        return self._run(lambda d, conn: d.revoke(conn, params), key)
+
+    def unrevoke(self, key: str, owner: str) -> None:
+        """Delete the revoked marker of ``owner`` on ``key`` (one DELETE)."""
+        params = {"b_marker": revoked_marker_key(key, owner)}
+        self._run(lambda d, conn: conn.execute(d.unrevoke, params), key)
+
     def get(self, key: str) -> Lock | None:
         """The live lock at ``key`` (one SELECT)."""
-        row = self._run(lambda d, conn: conn.execute(d.get, {"b_key": key}).first())
+        row = self._run(lambda d, conn: conn.execute(d.get, {"b_key": key}).first(), key)
         return None if row is None else self._lock(key, row)
 
     def scan(self, prefix: str, *, batch: int = 500) -> Iterator[Lock]:
@@ -315,8 +398,13 @@ class SQLStore:
     # -- housekeeping ------------------------------------------------------
 
     def purge_expired(self) -> int:
-        """Delete every expired row now; returns how many were deleted."""
-        return self._run(lambda d, conn: conn.execute(d.reap).rowcount)
+        """Delete every expired lock and revoked marker now; returns how many locks."""
+
+        def purge(dialect: _Dialect, conn: Connection) -> int:
+            conn.execute(dialect.reap_revoked)
+            return int(conn.execute(dialect.reap).rowcount)
+
+        return self._run(purge)
 
     def _maybe_reap(self) -> None:
         if not self.reap_interval or time.monotonic() < self._next_reap:
@@ -335,3 +423,9 @@ class SQLStore:
 
     def __repr__(self) -> str:
         return f"<SQLStore {self.label}>"
+
+
+def _backoff(tries: int) -> float:
+    """Seconds to sleep after the ``tries``-th lost race: half fixed, half random."""
+    ceiling = min(_BACKOFF_CAP, _BACKOFF_BASE * 2.0**tries)
+    return ceiling / 2 + random.uniform(0, ceiling / 2)

@@ -1,32 +1,36 @@
 """Schema and per-dialect SQL of the SQL lock store.
 
-The two tables (``celery_dedup_lock``, ``celery_dedup_counter``) and one
-``_Dialect`` per database family, each building the single statement (or
-the shortest transaction) an operation needs: PostgreSQL, SQLite,
-MySQL and MariaDB. ``stores/sql.py`` holds the store that runs them.
+Three tables (``celery_dedup_sql_lock``, ``celery_dedup_sql_revoked``,
+``celery_dedup_sql_counter``) and one ``_Dialect`` per database family, each
+building the single statement (or the shortest transaction) an operation
+needs: PostgreSQL, SQLite, MySQL and MariaDB. ``stores/sql.py`` holds the
+store that runs them and retries lost races.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from kombu.utils.url import maybe_sanitize_url
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     Column,
     Double,
     Index,
     MetaData,
     String,
     Table,
+    and_,
     delete,
     exists,
     false,
     func,
     literal_column,
     null,
+    or_,
     select,
     true,
     update,
@@ -40,27 +44,29 @@ from sqlalchemy.exc import (
     OperationalError,
 )
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
+from sqlalchemy.sql.dml import Insert
 from sqlalchemy.sql.expression import ColumnElement, Executable, bindparam
 
-from ..exceptions import ImproperlyConfigured, StoreUnavailable
+from ..exceptions import ImproperlyConfigured, StoreContention
 from . import E_MISSING_DRIVER
-
-if TYPE_CHECKING:
-    pass
+from .base import ClaimOutcome, RevokeOutcome
 
 __all__ = [
     "COUNTER_TABLE",
     "LOCK_TABLE",
+    "REVOKED_TABLE",
     "counter_table",
     "lock_table",
     "metadata",
+    "revoked_table",
 ]
 
 
 T = TypeVar("T")
 
-LOCK_TABLE = "celery_dedup_lock"
-COUNTER_TABLE = "celery_dedup_counter"
+LOCK_TABLE = "celery_dedup_sql_lock"
+REVOKED_TABLE = "celery_dedup_sql_revoked"
+COUNTER_TABLE = "celery_dedup_sql_counter"
 #: The longest key the lock table holds (a MySQL utf8mb4 primary key limit).
 KEY_LENGTH = 255
 
@@ -79,11 +85,43 @@ E_MISSING_OTHER_DRIVER = (
 E_NO_DIALECT = "No SQLAlchemy dialect for the lock store {url!r} ({error})"
 E_OLD_SQLITE = "The SQL lock store needs SQLite >= 3.35 (RETURNING); this is SQLite {version}"
 E_KEY_TOO_LONG = "lock key is {length} characters; the SQL lock store holds keys up to {limit}"
+E_REFUSED = (
+    "The database of the lock store {where} refused its SQL ({error}); "
+    "check the user's privileges and the store's tables"
+)
+E_CONTENTION = (
+    "lock store sql gave up on {key!r}: concurrent writers kept winning the race "
+    "({tries} tries); nothing was written"
+)
 
 #: How many times an operation is re-run when a concurrent writer changed the
 #: row between the statement's snapshot and its write (rare; see _Postgres).
 _RACE_RETRIES = 20
-_MYSQL_DEADLOCK = 1213
+
+#: MySQL/MariaDB errors of a lost race: lock wait timeout, deadlock, and
+#: "record has changed since last read" (MariaDB's snapshot isolation).
+_MYSQL_CONTENTION = frozenset({1205, 1213, 1020})
+#: PostgreSQL SQLSTATEs of a lost race: serialization failure, deadlock, lock timeout.
+_POSTGRES_CONTENTION = frozenset({"40001", "40P01", "55P03"})
+#: SQLite's SQLITE_BUSY and SQLITE_LOCKED ("database is locked").
+_SQLITE_CONTENTION = frozenset({5, 6})
+
+
+def is_contention(exc: BaseException) -> bool:
+    """Whether a driver error is a lost race with concurrent writers (retry), not an outage."""
+    orig = exc.orig if isinstance(exc, DBAPIError) else None
+    if orig is None:
+        return False
+    # MySQL drivers carry the server's error number first (and a generic
+    # SQLSTATE), sqlite3 its result code, PostgreSQL drivers the SQLSTATE.
+    code = orig.args[0] if orig.args else None
+    if isinstance(code, int):
+        return code in _MYSQL_CONTENTION
+    sqlite_code = getattr(orig, "sqlite_errorcode", None)
+    if sqlite_code is not None:
+        return sqlite_code & 0xFF in _SQLITE_CONTENTION
+    sqlstate = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+    return sqlstate in _POSTGRES_CONTENTION
 
 
 def _varchar(length: int) -> String:
@@ -102,15 +140,30 @@ lock_table = Table(
     LOCK_TABLE,
     metadata,
     Column("key", _varchar(KEY_LENGTH), primary_key=True),
+    #: the owner token of the publish holding the lock
     Column("owner", _varchar(255), nullable=False),
+    Column("task_id", _varchar(255), nullable=False),
     Column("task_name", _varchar(255), nullable=False),
     Column("policy", _varchar(32), nullable=False),
-    # A random value per acquire: MySQL cannot return the row's previous
-    # values, so its acquire tells its own write from an older one by this.
+    Column("started", Boolean(), nullable=False),
+    # A random value per write of a new holder: MySQL cannot return the row's
+    # previous values, so a statement tells its own write from an older one
+    # by this.
     Column("token", _varchar(32), nullable=False),
     Column("acquired_at", Double(), nullable=False),
     Column("expires_at", Double(), nullable=False),
     Index(f"ix_{LOCK_TABLE}_expires_at", "expires_at"),
+    mysql_engine="InnoDB",
+    mysql_charset="utf8mb4",
+)
+
+#: One row per revoked owner token (``revoked_marker_key``), until it expires.
+revoked_table = Table(
+    REVOKED_TABLE,
+    metadata,
+    Column("key", _varchar(KEY_LENGTH), primary_key=True),
+    Column("expires_at", Double(), nullable=False),
+    Index(f"ix_{REVOKED_TABLE}_expires_at", "expires_at"),
     mysql_engine="InnoDB",
     mysql_charset="utf8mb4",
 )
@@ -128,9 +181,18 @@ counter_table = Table(
 )
 
 _L = lock_table.c
+_R = revoked_table.c
 _C = counter_table.c
 #: Columns every statement that reports a lock returns, then the database's now.
-_LOCK_COLUMNS = (_L.owner, _L.task_name, _L.policy, _L.acquired_at, _L.expires_at)
+_LOCK_COLUMNS = (
+    _L.owner,
+    _L.task_id,
+    _L.task_name,
+    _L.policy,
+    _L.started,
+    _L.acquired_at,
+    _L.expires_at,
+)
 
 
 #: dialect → (the driver its pip extra installs, the extra)
@@ -152,37 +214,49 @@ def _missing_driver(url: str, dialect: str, driver: str, error: ImportError) -> 
     )
 
 
+def _flag(name: str) -> ColumnElement[bool]:
+    return bindparam(name, type_=Boolean())
+
+
 class _Dialect:
-    """The statements of one database family, built once per store."""
+    """The statements of one database family, built once per store.
+
+    Bound parameters: ``b_key``, ``b_owner``, ``b_task_id``, ``b_task_name``,
+    ``b_policy``, ``b_started``, ``b_token``, ``b_ttl``; ``b_marker`` (the
+    revoked marker key); for claims ``b_release`` and ``b_take``.
+    """
 
     #: how "now" reads as epoch seconds, stable within one statement
     now_sql = ""
 
     def __init__(self) -> None:
         self.now: ColumnElement[float] = literal_column(self.now_sql, Double())
-        live = _L.expires_at > self.now
-        self.get = select(*_LOCK_COLUMNS, self.now.label("now")).where(
-            _L.key == bindparam("b_key"), live
-        )
-        self.release = delete(lock_table).where(
-            _L.key == bindparam("b_key"), _L.owner == bindparam("b_owner"), live
-        )
+        self.live = _L.expires_at > self.now
+        self.at_key = _L.key == bindparam("b_key")
+        #: the row of ``b_key`` while ``b_owner`` holds it
+        self.mine = and_(self.at_key, _L.owner == bindparam("b_owner"), self.live)
+        #: the live revoked marker of ``b_owner`` on ``b_key``
+        self.marker = and_(_R.key == bindparam("b_marker"), _R.expires_at > self.now)
+        self.get = select(*_LOCK_COLUMNS, self.now.label("now")).where(self.at_key, self.live)
+        self.release = delete(lock_table).where(self.mine)
         self.extend = (
             update(lock_table)
-            .where(_L.key == bindparam("b_key"), _L.owner == bindparam("b_owner"), live)
+            .where(self.mine)
             .values(expires_at=self.now + bindparam("b_ttl", type_=Double()))
         )
+        self.unrevoke = delete(revoked_table).where(_R.key == bindparam("b_marker"))
         self.scan = (
             select(_L.key, *_LOCK_COLUMNS, self.now.label("now"))
             .where(
                 _L.key.like(bindparam("b_pattern", type_=String()), escape="!"),
                 _L.key > bindparam("b_after"),
-                live,
+                self.live,
             )
             .order_by(_L.key)
             .limit(bindparam("b_limit"))
         )
         self.reap = delete(lock_table).where(_L.expires_at <= self.now)
+        self.reap_revoked = delete(revoked_table).where(_R.expires_at <= self.now)
         self.read_counts = select(_C.task_name, _C.event, _C.count.label("total")).where(
             _C.prefix == bindparam("b_prefix")
         )
@@ -192,10 +266,19 @@ class _Dialect:
         return {
             "key": bindparam("b_key", type_=String()),
             "owner": bindparam("b_owner", type_=String()),
+            "task_id": bindparam("b_task_id", type_=String()),
             "task_name": bindparam("b_task_name", type_=String()),
             "policy": bindparam("b_policy", type_=String()),
+            "started": _flag("b_started"),
             "token": bindparam("b_token", type_=String()),
             "acquired_at": self.now,
+            "expires_at": self.now + bindparam("b_ttl", type_=Double()),
+        }
+
+    def marker_values(self) -> dict[str, Any]:
+        """The VALUES of a revoked marker living ``b_ttl`` seconds."""
+        return {
+            "key": bindparam("b_marker", type_=String()),
             "expires_at": self.now + bindparam("b_ttl", type_=Double()),
         }
 
@@ -207,23 +290,37 @@ class _Dialect:
         """Become the holder; the previous row (live or not), or ``None``."""
         raise NotImplementedError
 
+    def claim(
+        self, conn: Connection, params: dict[str, Any]
+    ) -> tuple[ClaimOutcome, Row[Any] | None]:
+        """The start check; the outcome and, for ``HELD``, the holder's row."""
+        raise NotImplementedError
+
+    def revoke(self, conn: Connection, params: dict[str, Any]) -> RevokeOutcome:
+        """Write the revoked marker and release an unstarted holder."""
+        raise NotImplementedError
+
     def add_counts(self, rows: list[dict[str, Any]]) -> Executable:
         """One statement adding ``rows`` to the counters."""
         raise NotImplementedError
 
 
 class _Postgres(_Dialect):
+    """Every operation is one statement: data-modifying CTEs."""
+
     # statement_timestamp() is fixed for the statement; clock_timestamp()
     # would move between the VALUES and the WHERE of one upsert.
     now_sql = "CAST(EXTRACT(EPOCH FROM statement_timestamp()) AS DOUBLE PRECISION)"
 
     def __init__(self) -> None:
         super().__init__()
-        ins = postgresql.insert(lock_table).values(**self.row_values())
+        values = self.row_values()
+        new = {name: value for name, value in values.items() if name != "key"}
+        ins = postgresql.insert(lock_table).values(**values)
         taken = (
             ins.on_conflict_do_update(
                 index_elements=[_L.key],
-                set_={name: ins.excluded[name] for name in self.row_values() if name != "key"},
+                set_={name: ins.excluded[name] for name in new},
                 where=_L.expires_at <= self.now,
             )
             .returning(*_LOCK_COLUMNS)
@@ -233,7 +330,7 @@ class _Postgres(_Dialect):
         # row committed after the snapshot is missed (no row) or seen in an
         # older version (expired): acquire() re-runs the statement for those.
         held = select(false(), *_LOCK_COLUMNS, self.now).where(
-            _L.key == bindparam("b_key"), ~exists(select(taken.c.owner))
+            self.at_key, ~exists(select(taken.c.owner))
         )
         self.acquire_stmt = select(
             true().label("taken"), *taken.c, self.now.label("now")
@@ -241,34 +338,92 @@ class _Postgres(_Dialect):
 
         # UPDATE … FROM (SELECT … FOR UPDATE) returns the row's values before
         # the update, re-read after waiting for a concurrent writer.
-        old = (
-            select(lock_table)
-            .where(_L.key == bindparam("b_key"))
-            .with_for_update()
-            .subquery("old")
-        )
+        old = select(lock_table).where(self.at_key).with_for_update().subquery("old")
         replaced = (
             update(lock_table)
             .where(_L.key == old.c.key)
-            .values({k: v for k, v in self.row_values().items() if k != "key"})
+            .values(new)
             .returning(*(old.c[c.name] for c in _LOCK_COLUMNS))
             .cte("replaced")
         )
         inserted = (
             postgresql.insert(lock_table)
             .from_select(
-                list(self.row_values()),
-                select(*self.row_values().values()).where(~exists(select(replaced.c.owner))),
+                list(values),
+                select(*values.values()).where(~exists(select(replaced.c.owner))),
             )
             .on_conflict_do_nothing(index_elements=[_L.key])
             .returning(_L.owner)
             .cte("inserted")
         )
+        blanks = [null()] * (len(_LOCK_COLUMNS) - 1)
         self.take_over_stmt = select(
             true().label("replaced"), *replaced.c, self.now.label("now")
-        ).union_all(
-            select(false(), inserted.c.owner, null(), null(), null(), null(), self.now)
+        ).union_all(select(false(), inserted.c.owner, *blanks, self.now))
+
+        self.claim_stmt = self._claim_statement(values, new)
+        self.revoke_stmt = self._revoke_statement()
+
+    def _claim_statement(self, values: dict[str, Any], new: dict[str, Any]) -> Executable:
+        # Every CTE reads one snapshot; the DELETE, UPDATE and INSERT see the
+        # latest row (re-checked after waiting for a concurrent writer).
+        # claim() re-runs the statement when the two disagree.
+        rev = select(_R.key).where(self.marker).cte("rev")
+        revoked = exists(select(rev.c.key))
+        current = select(*_LOCK_COLUMNS).where(self.at_key, self.live).cte("current")
+        release = _flag("b_release")
+        gone = (
+            delete(lock_table)
+            .where(self.mine, or_(release, revoked))
+            .returning(_L.key)
+            .cte("gone")
         )
+        marked = (
+            update(lock_table)
+            .where(self.mine, ~release, ~revoked)
+            .values(started=True)
+            .returning(_L.key)
+            .cte("marked")
+        )
+        fresh = postgresql.insert(lock_table).from_select(
+            list(values),
+            select(*values.values()).where(
+                _flag("b_take"), ~revoked, ~exists(select(current.c.owner))
+            ),
+        )
+        taken = (
+            fresh.on_conflict_do_update(
+                index_elements=[_L.key],
+                set_={name: fresh.excluded[name] for name in new},
+                where=_L.expires_at <= self.now,
+            )
+            .returning(_L.key)
+            .cte("taken")
+        )
+        return select(
+            revoked.label("revoked"),
+            or_(exists(select(gone.c.key)), exists(select(marked.c.key))).label("owned"),
+            exists(select(taken.c.key)).label("taken"),
+            *(select(column).scalar_subquery().label(column.name) for column in current.c),
+            self.now.label("now"),
+        )
+
+    def _revoke_statement(self) -> Executable:
+        ins = postgresql.insert(revoked_table).values(**self.marker_values())
+        marker = (
+            ins.on_conflict_do_update(
+                index_elements=[_R.key],
+                set_={"expires_at": func.greatest(_R.expires_at, ins.excluded.expires_at)},
+            )
+            .returning(_R.key)
+            .cte("marker")
+        )
+        current = select(_L.started).where(self.mine).cte("current")
+        gone = delete(lock_table).where(self.mine, ~_L.started).returning(_L.key).cte("gone")
+        return select(
+            exists(select(gone.c.key)).label("released"),
+            select(current.c.started).scalar_subquery().label("started"),
+        ).add_cte(marker)
 
     def acquire(self, conn: Connection, params: dict[str, Any]) -> Row[Any] | None:
         for _ in range(_RACE_RETRIES):
@@ -287,6 +442,36 @@ class _Postgres(_Dialect):
             return row if row.replaced else None
         raise _contention(params["b_key"])
 
+    def claim(
+        self, conn: Connection, params: dict[str, Any]
+    ) -> tuple[ClaimOutcome, Row[Any] | None]:
+        for _ in range(_RACE_RETRIES):
+            row = conn.execute(self.claim_stmt, params).one()
+            if row.revoked:
+                return ClaimOutcome.REVOKED, None
+            if row.owned:
+                return ClaimOutcome.OWNED, None
+            if row.owner is not None and row.owner != params["b_owner"]:
+                return ClaimOutcome.HELD, row
+            if row.owner is None and (row.taken or not params["b_take"]):
+                return ClaimOutcome.FREE, None
+            # Our row changed, or another writer inserted the key, after the
+            # snapshot: run again.
+        raise _contention(params["b_key"])
+
+    def revoke(self, conn: Connection, params: dict[str, Any]) -> RevokeOutcome:
+        for _ in range(_RACE_RETRIES):
+            row = conn.execute(self.revoke_stmt, params).one()
+            if row.released:
+                return RevokeOutcome.RELEASED
+            if row.started is None:
+                return RevokeOutcome.NOT_HELD
+            if row.started:
+                return RevokeOutcome.RUNNING
+            # Unstarted in the snapshot, yet not deleted: it started or went
+            # meanwhile. The marker upsert is idempotent: run again.
+        raise _contention(params["b_key"])
+
     def add_counts(self, rows: list[dict[str, Any]]) -> Executable:
         ins = postgresql.insert(counter_table).values(rows)
         return ins.on_conflict_do_update(
@@ -295,24 +480,134 @@ class _Postgres(_Dialect):
         )
 
 
-class _SQLite(_Dialect):
-    # 'now' is fixed for one sqlite3_step(), and RETURNING writes in the first.
-    now_sql = "((julianday('now') - 2440587.5) * 86400.0)"
+class _Transactional(_Dialect):
+    """Claim, revoke and take-over as short transactions (SQLite, MySQL, MariaDB).
+
+    Every transaction takes its row locks in one order, so two of them never
+    deadlock: first the owner's revoked marker (claim and revoke; InnoDB
+    locks the gap where a missing one would go), then the key's row. The
+    key's row is locked by an upsert that inserts the new row or keeps the
+    existing one: unlike a locking read of a missing row it takes no gap
+    lock, so concurrent first inserts never deadlock; the row's ``token``
+    then tells which happened. The one-statement start check reads the
+    marker first too (it runs its subquery before it locks the row).
+    """
+
+    #: the statement opening a transaction
+    begin = ""
 
     def __init__(self) -> None:
         super().__init__()
-        ins = sqlite.insert(lock_table).values(**self.row_values())
+        unrevoked = ~exists(select(_R.key).where(self.marker))
+        # The holder starting, with no marker: the common claim, one statement.
+        self.start_mine = update(lock_table).where(self.mine, unrevoked).values(started=True)
+        self.release_mine = delete(lock_table).where(self.mine, unrevoked)
+        self.locked_marker = select(_R.key).where(self.marker).with_for_update()
+
+        values = self.row_values()
+        self.insert_or_keep = self.build_insert_or_keep(values)
+        self.locked_row = (
+            select(*_LOCK_COLUMNS, _L.token, self.now.label("now"))
+            .where(self.at_key)
+            .with_for_update()
+        )
+        self.drop = delete(lock_table).where(self.at_key)
+        self.start = update(lock_table).where(self.at_key).values(started=True)
+        self.replace = (
+            update(lock_table)
+            .where(self.at_key)
+            .values({name: value for name, value in values.items() if name != "key"})
+        )
+        self.mark_revoked = self.build_mark_revoked()
+
+    def build_insert_or_keep(self, values: dict[str, Any]) -> Insert:
+        """Insert the new row, or leave the existing one as it is (locked)."""
+        raise NotImplementedError
+
+    def build_mark_revoked(self) -> Executable:
+        """Insert the revoked marker, or push its expiry out to now + ``b_ttl``."""
+        raise NotImplementedError
+
+    def hold(self, conn: Connection, params: dict[str, Any]) -> Row[Any]:
+        """Inside a transaction: insert-or-keep the key's row, then read it."""
+        conn.execute(self.insert_or_keep, params)
+        return conn.execute(self.locked_row, params).one()
+
+    def take_over(self, conn: Connection, params: dict[str, Any]) -> Row[Any] | None:
+        with _transaction(conn, self.begin):
+            row = self.hold(conn, params)
+            if row.token == params["b_token"]:
+                return None
+            conn.execute(self.replace, params)
+            return row
+
+    def claim(
+        self, conn: Connection, params: dict[str, Any]
+    ) -> tuple[ClaimOutcome, Row[Any] | None]:
+        fast = self.release_mine if params["b_release"] else self.start_mine
+        if conn.execute(fast, params).rowcount:
+            return ClaimOutcome.OWNED, None
+        with _transaction(conn, self.begin):
+            revoked = conn.execute(self.locked_marker, params).first() is not None
+            row = self.hold(conn, params)
+            inserted = row.token == params["b_token"]
+            live = not inserted and row.expires_at > row.now
+            mine = live and row.owner == params["b_owner"]
+            if revoked:
+                if inserted or mine:
+                    conn.execute(self.drop, params)
+                return ClaimOutcome.REVOKED, None
+            if mine:
+                conn.execute(self.drop if params["b_release"] else self.start, params)
+                return ClaimOutcome.OWNED, None
+            if live:
+                return ClaimOutcome.HELD, row
+            # Free: keep the row we inserted only when asked to take the key.
+            if params["b_take"] and not inserted:
+                conn.execute(self.replace, params)
+            elif inserted and not params["b_take"]:
+                conn.execute(self.drop, params)
+            return ClaimOutcome.FREE, None
+
+    def revoke(self, conn: Connection, params: dict[str, Any]) -> RevokeOutcome:
+        with _transaction(conn, self.begin):
+            # The marker first: a claim of this owner that locked it (or the
+            # gap where it goes) first commits before we read the key's row.
+            conn.execute(self.mark_revoked, params)
+            row = conn.execute(self.locked_row, params).first()
+            if row is None or row.expires_at <= row.now or row.owner != params["b_owner"]:
+                return RevokeOutcome.NOT_HELD
+            if row.started:
+                return RevokeOutcome.RUNNING
+            conn.execute(self.drop, params)
+            return RevokeOutcome.RELEASED
+
+
+class _SQLite(_Transactional):
+    # 'now' is fixed for one sqlite3_step(), and RETURNING writes in the first.
+    now_sql = "((julianday('now') - 2440587.5) * 86400.0)"
+    # Take the write lock first, so the reads and writes see the same rows.
+    begin = "BEGIN IMMEDIATE"
+
+    def __init__(self) -> None:
+        super().__init__()
+        values = self.row_values()
+        ins = sqlite.insert(lock_table).values(**values)
         self.acquire_stmt = ins.on_conflict_do_update(
             index_elements=[_L.key],
-            set_={name: ins.excluded[name] for name in self.row_values() if name != "key"},
+            set_={name: ins.excluded[name] for name in values if name != "key"},
             where=_L.expires_at <= self.now,
         ).returning(_L.owner)
-        self.holder = select(*_LOCK_COLUMNS, self.now.label("now")).where(
-            _L.key == bindparam("b_key")
-        )
-        self.take_over_stmt = ins.on_conflict_do_update(
-            index_elements=[_L.key],
-            set_={name: ins.excluded[name] for name in self.row_values() if name != "key"},
+        self.holder = select(*_LOCK_COLUMNS, self.now.label("now")).where(self.at_key)
+
+    def build_insert_or_keep(self, values: dict[str, Any]) -> Insert:
+        return sqlite.insert(lock_table).values(**values).on_conflict_do_nothing()
+
+    def build_mark_revoked(self) -> Executable:
+        ins = sqlite.insert(revoked_table).values(**self.marker_values())
+        return ins.on_conflict_do_update(
+            index_elements=[_R.key],
+            set_={"expires_at": func.max(_R.expires_at, ins.excluded.expires_at)},
         )
 
     def acquire(self, conn: Connection, params: dict[str, Any]) -> Row[Any] | None:
@@ -326,14 +621,6 @@ class _SQLite(_Dialect):
                 return row
         raise _contention(params["b_key"])
 
-    def take_over(self, conn: Connection, params: dict[str, Any]) -> Row[Any] | None:
-        # BEGIN IMMEDIATE takes the write lock first, so the read and the
-        # write see the same row.
-        with _transaction(conn, "BEGIN IMMEDIATE"):
-            row = conn.execute(self.holder, params).first()
-            conn.execute(self.take_over_stmt, params)
-        return row
-
     def add_counts(self, rows: list[dict[str, Any]]) -> Executable:
         ins = sqlite.insert(counter_table).values(rows)
         return ins.on_conflict_do_update(
@@ -342,27 +629,37 @@ class _SQLite(_Dialect):
         )
 
 
-class _MySQL(_Dialect):
+class _MySQL(_Transactional):
     # The session time zone is UTC (set on connect), so this is exact even
     # across a DST change.
     now_sql = "UNIX_TIMESTAMP(NOW(6))"
+    begin = "START TRANSACTION"
+
+    #: the upsert's columns; MySQL applies the assignments left to right and
+    #: later ones see the new values: expires_at, which every condition
+    #: reads, goes last.
+    _ASSIGNED = (
+        "owner", "task_id", "task_name", "policy", "started", "token", "acquired_at", "expires_at"
+    )
 
     def __init__(self) -> None:
         super().__init__()
         ins = mysql.insert(lock_table).values(**self.row_values())
         expired = _L.expires_at <= self.now
-        # MySQL applies the assignments left to right and later ones see the
-        # new values: expires_at, which every condition reads, goes last.
-        names = ["owner", "task_name", "policy", "token", "acquired_at", "expires_at"]
         self.upsert = ins.on_duplicate_key_update(
-            [(name, func.if_(expired, ins.inserted[name], _L[name])) for name in names]
+            [(name, func.if_(expired, ins.inserted[name], _L[name])) for name in self._ASSIGNED]
         )
-        self.holder = select(*_LOCK_COLUMNS, _L.token, self.now.label("now")).where(
-            _L.key == bindparam("b_key")
-        )
-        self.locked_holder = self.holder.with_for_update()
-        self.take_over_stmt = ins.on_duplicate_key_update(
-            [(name, ins.inserted[name]) for name in names]
+        self.holder = select(*_LOCK_COLUMNS, _L.token, self.now.label("now")).where(self.at_key)
+
+    def build_insert_or_keep(self, values: dict[str, Any]) -> Insert:
+        # ON DUPLICATE KEY takes an exclusive record lock on the existing row
+        # (never a gap lock), so it cannot deadlock with another insert.
+        return mysql.insert(lock_table).values(**values).on_duplicate_key_update(key=_L.key)
+
+    def build_mark_revoked(self) -> Executable:
+        ins = mysql.insert(revoked_table).values(**self.marker_values())
+        return ins.on_duplicate_key_update(
+            expires_at=func.greatest(_R.expires_at, ins.inserted.expires_at)
         )
 
     def acquire(self, conn: Connection, params: dict[str, Any]) -> Row[Any] | None:
@@ -375,29 +672,26 @@ class _MySQL(_Dialect):
                 return row
         raise _contention(params["b_key"])
 
-    def take_over(self, conn: Connection, params: dict[str, Any]) -> Row[Any] | None:
-        with _transaction(conn, "START TRANSACTION"):
-            row = conn.execute(self.locked_holder, params).first()
-            conn.execute(self.take_over_stmt, params)
-        return row
-
     def add_counts(self, rows: list[dict[str, Any]]) -> Executable:
         ins = mysql.insert(counter_table).values(rows)
         return ins.on_duplicate_key_update(count=_C.count + ins.inserted.count)
 
 
 class _MariaDB(_MySQL):
-    """MariaDB ≥ 10.5: the upsert returns the row, so acquire is one statement."""
+    """MariaDB ≥ 10.5: an upsert returns the row, so acquire is one statement."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.upsert_returning = self.upsert.returning(
-            *_LOCK_COLUMNS, _L.token, self.now.label("now")
-        )
+        returned = (*_LOCK_COLUMNS, _L.token, self.now.label("now"))
+        self.upsert_returning = self.upsert.returning(*returned)
+        self.insert_or_keep_returning = self.insert_or_keep.returning(*returned)
 
     def acquire(self, conn: Connection, params: dict[str, Any]) -> Row[Any] | None:
         row = conn.execute(self.upsert_returning, params).one()
         return None if row.token == params["b_token"] else row
+
+    def hold(self, conn: Connection, params: dict[str, Any]) -> Row[Any]:
+        return conn.execute(self.insert_or_keep_returning, params).one()
 
 
 def _fetch_all(
@@ -413,15 +707,10 @@ def _like_prefix(prefix: str) -> str:
     return escaped + "%"
 
 
-def _contention(key: str) -> StoreUnavailable:
-    # Unreachable in practice: every retry means another writer changed this
-    # very row during our statement. Reported as an outage so that
-    # dedup_fallback decides, rather than failing the caller.
-    return StoreUnavailable(
-        f"lock store sql gave up on {key!r}: it changed under concurrent writers "
-        f"{_RACE_RETRIES} times in a row",
-        store="sql",
-    )
+def _contention(key: str) -> StoreContention:
+    # Every retry means another writer changed this very row during our
+    # statement; never seen in practice.
+    return StoreContention(E_CONTENTION.format(key=key, tries=_RACE_RETRIES), store="sql")
 
 
 @contextmanager
@@ -455,9 +744,14 @@ def _pick_dialect(engine: Engine) -> _Dialect:
     )
 
 
-def _set_utc(dbapi_connection: Any, connection_record: Any) -> None:
+def _set_session(dbapi_connection: Any, connection_record: Any) -> None:
+    """MySQL/MariaDB session settings the store's SQL relies on, once per connection."""
     cursor = dbapi_connection.cursor()
     try:
+        # UTC: UNIX_TIMESTAMP(NOW(6)) is then exact across DST changes.
         cursor.execute("SET time_zone = '+00:00'")
+        # Repeatable read: a locking read of a missing key locks the gap where
+        # it would go (revoke against a concurrent claim).
+        cursor.execute("SET SESSION TRANSACTION ISOLATION LEVEL REPEATABLE READ")
     finally:
         cursor.close()

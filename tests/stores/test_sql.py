@@ -2,6 +2,7 @@
 
 Runs against a real SQLite file, PostgreSQL and MariaDB started for the
 session; the MySQL code path (no ``RETURNING``) is exercised on MariaDB.
+Races under load are in ``test_sql_contention.py``.
 """
 
 from __future__ import annotations
@@ -16,23 +17,37 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 from celery import Celery
 from celery.exceptions import ImproperlyConfigured as CeleryImproperlyConfigured
-from sqlalchemy import event, func, inspect, select
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    Double,
+    MetaData,
+    String,
+    Table,
+    event,
+    func,
+    inspect,
+    select,
+)
 
 from celery_dedup import ImproperlyConfigured, StoreUnavailable
 from celery_dedup.runtime import runtime_for
 from celery_dedup.stores import derive_store_url, sql, sql_dialects, store_from_url
-from celery_dedup.stores.sql import SQLStore, lock_table
+from celery_dedup.stores.base import ClaimOutcome, RevokeOutcome, revoked_marker_key
+from celery_dedup.stores.sql import SQLStore, lock_table, revoked_table
 from tests.fixtures._servers import free_port
 from tests.fixtures._store_case import StoreCase
 from tests.fixtures.mysql import MySQLServer
 from tests.fixtures.postgres import PostgresServer
+from tests.fixtures.redis import RedisServer
 from tests.fixtures.sql_stores import sql_case
 from tests.stores.contract import StoreContract
 
-META = {"task_name": "tests.add", "policy": "success"}
+META = {"task_name": "tests.add", "policy": "success", "task_id": "id-a"}
 
 SQL_STORES = [
     pytest.param("store_sqlite", marks=pytest.mark.sqlite, id="sqlite"),
@@ -87,7 +102,10 @@ def is_mariadb(store: SQLStore) -> bool:
 
 
 def test_one_statement_per_operation(sql_store: SQLStore) -> None:
-    """Acquire, duplicate, release, extend and get send one statement each (SQLite duplicate: 2)."""
+    """Acquire, duplicate, release, extend, get, start check and unrevoke send one statement each.
+
+    A duplicate on SQLite sends two (in process, no round trip).
+    """
     sql_store.get("warm-up")
     with statements(sql_store) as sent:
         assert sql_store.acquire("k", "owner-a", 30, META) is None
@@ -106,8 +124,18 @@ def test_one_statement_per_operation(sql_store: SQLStore) -> None:
     checks: list[tuple[Callable[[], Any], Callable[[Any], bool]]] = [
         (lambda: sql_store.extend("k", "owner-a", 60), lambda r: r is True),
         (lambda: sql_store.get("k"), lambda r: r is not None and r.owner == "owner-a"),
+        (
+            lambda: sql_store.claim("k", "owner-a", release=False, ttl=30, meta=META),
+            lambda r: r.outcome is ClaimOutcome.OWNED,
+        ),
+        (lambda: sql_store.get("k"), lambda r: r is not None and r.started),
         (lambda: sql_store.release("k", "owner-a"), lambda r: r is True),
         (lambda: sql_store.acquire("k2", "owner-a", 30, META), lambda r: r is None),
+        (
+            lambda: sql_store.claim("k2", "owner-a", release=True, ttl=None, meta=META),
+            lambda r: r.outcome is ClaimOutcome.OWNED,
+        ),
+        (lambda: sql_store.unrevoke("k2", "owner-a"), lambda r: r is None),
     ]
     for operation, expected in checks:
         with statements(sql_store) as sent:
@@ -116,17 +144,70 @@ def test_one_statement_per_operation(sql_store: SQLStore) -> None:
         assert len(sent) == 1, sent
 
 
-def test_take_over_statements(sql_store: SQLStore) -> None:
-    """take_over is one statement on PostgreSQL and one short transaction elsewhere."""
+@pytest.mark.postgres
+def test_every_operation_is_one_statement_on_postgres(store_postgres: StoreCase) -> None:
+    """On PostgreSQL every start-check outcome, revoke and take-over is one statement."""
+    store = store_postgres.store
+    assert isinstance(store, SQLStore)
+    assert store.acquire("held", "owner-a", 30, META) is None
+    assert store.acquire("mine", "owner-a", 30, META) is None
+    operations: list[tuple[Callable[[], Any], Any]] = [
+        (lambda: store.claim("held", "owner-b", release=False, ttl=30, meta=META).outcome,
+         ClaimOutcome.HELD),
+        (lambda: store.claim("free", "owner-b", release=False, ttl=30, meta=META).outcome,
+         ClaimOutcome.FREE),
+        (lambda: store.revoke("mine", "owner-a", 60), RevokeOutcome.RELEASED),
+        (lambda: store.revoke("free", "owner-b", 60), RevokeOutcome.RUNNING),
+        (lambda: store.revoke("none", "owner-c", 60), RevokeOutcome.NOT_HELD),
+        (lambda: store.claim("mine", "owner-a", release=False, ttl=30, meta=META).outcome,
+         ClaimOutcome.REVOKED),
+        (lambda: store.take_over("held", "owner-c", 30, META) is not None, True),
+        (lambda: store.take_over("new", "owner-c", 30, META) is None, True),
+    ]
+    for operation, expected in operations:
+        with statements(store) as sent:
+            assert operation() == expected
+        assert len(sent) == 1, sent
+
+
+TRANSACTIONAL_STORES = [
+    pytest.param("store_sqlite", marks=pytest.mark.sqlite, id="sqlite"),
+    pytest.param("store_mysql", marks=pytest.mark.mysql, id="mysql"),
+]
+
+
+@pytest.mark.parametrize("sql_store", TRANSACTIONAL_STORES, indirect=True)
+def test_transaction_shapes(sql_store: SQLStore) -> None:
+    """On SQLite and MySQL/MariaDB take-over, revoke and the rarer start checks are transactions.
+
+    Each locks the key's row first: take-over and the start check with an
+    upsert that inserts the row or keeps (and locks) the existing one.
+    """
+    mariadb = is_mariadb(sql_store)
+
+    def shape(operation: Callable[[], Any]) -> list[str]:
+        with statements(sql_store) as sent:
+            operation()
+        return [s.split()[0].upper() for s in sent]
+
     assert sql_store.acquire("k", "owner-a", 30, META) is None
-    with statements(sql_store) as sent:
-        previous = sql_store.take_over("k", "owner-b", 30, META)
-    assert previous is not None and previous.owner == "owner-a"
-    if sql_store.engine.dialect.name == "postgresql":
-        assert len(sent) == 1
-    else:
-        assert sent[0].upper() in ("BEGIN IMMEDIATE", "START TRANSACTION")
-        assert [s.split()[0].upper() for s in sent[1:]] == ["SELECT", "INSERT", "COMMIT"]
+    read = [] if mariadb else ["SELECT"]
+    assert shape(lambda: sql_store.take_over("k", "owner-b", 30, META)) == [
+        "BEGIN" if sql_store.engine.dialect.name == "sqlite" else "START", "INSERT", *read,
+        "UPDATE", "COMMIT",
+    ]
+    begin = shape(lambda: sql_store.take_over("new", "owner-b", 30, META))[0]
+    assert shape(lambda: sql_store.take_over("new2", "owner-b", 30, META)) == [
+        begin, "INSERT", *read, "COMMIT",
+    ]
+    # A start check by another owner: the one-statement try, then a
+    # transaction that locks the owner's revoked marker, then the key's row.
+    assert shape(lambda: sql_store.claim("k", "owner-c", release=False, ttl=30, meta=META)) == [
+        "UPDATE", begin, "SELECT", "INSERT", *read, "COMMIT",
+    ]
+    assert shape(lambda: sql_store.revoke("k", "owner-b", 60)) == [
+        begin, "INSERT", "SELECT", "DELETE", "COMMIT",
+    ]
 
 
 def test_tables_checked_once_per_store(sql_store: SQLStore) -> None:
@@ -191,7 +272,7 @@ EMPTY_DATABASES = [
 
 @pytest.mark.parametrize("empty_database", EMPTY_DATABASES, indirect=True)
 def test_tables_created_on_first_use(empty_database: Callable[[], str]) -> None:
-    """Building a store creates nothing; its first operation creates both tables."""
+    """Building a store creates nothing; its first operation creates its three tables."""
     url = empty_database()
     store = store_from_url(url)
     other = store_from_url(url)
@@ -199,9 +280,10 @@ def test_tables_created_on_first_use(empty_database: Callable[[], str]) -> None:
     try:
         assert inspect(store.engine).get_table_names() == []
         assert store.acquire("k", "owner-a", 30, META) is None
-        assert {"celery_dedup_lock", "celery_dedup_counter"} <= set(
-            inspect(store.engine).get_table_names()
-        )
+        tables = set(inspect(store.engine).get_table_names())
+        assert tables == {
+            "celery_dedup_sql_lock", "celery_dedup_sql_revoked", "celery_dedup_sql_counter",
+        }
         holder = other.acquire("k", "owner-b", 30, META)
         assert holder is not None and holder.owner == "owner-a"
     finally:
@@ -241,12 +323,58 @@ def _first_use(url: str, owner: str, barrier: Any, results: Any) -> None:
         results.put(repr(exc))
 
 
+#: The tables of 0.1.0 (also the names of the Django app's tables).
+LEGACY = MetaData()
+Table(
+    "celery_dedup_lock", LEGACY,
+    Column("key", String(255), primary_key=True), Column("owner", String(255)),
+    Column("task_name", String(255)), Column("policy", String(32)), Column("token", String(32)),
+    Column("acquired_at", Double()), Column("expires_at", Double()),
+)
+Table(
+    "celery_dedup_counter", LEGACY,
+    Column("prefix", String(191), primary_key=True), Column("task_name", String(255)),
+    Column("event", String(64)), Column("count", BigInteger()),
+)
+
+
+@pytest.mark.parametrize("empty_database", EMPTY_DATABASES, indirect=True)
+def test_tables_of_0_1_0_are_left_alone(empty_database: Callable[[], str]) -> None:
+    """Tables named as 0.1.0's (or the Django app's) are neither read, changed nor recreated.
+
+    A lock held in them at upgrade time is not carried over: the key is free
+    for the new store (docs/stores/sql.md, "Upgrading from 0.1.0").
+    """
+    url = empty_database()
+    store = store_from_url(url)
+    assert isinstance(store, SQLStore)
+    try:
+        LEGACY.create_all(store.engine)
+        old_lock = LEGACY.tables["celery_dedup_lock"]
+        with store.engine.connect() as conn:
+            conn.execute(old_lock.insert().values(
+                key="k", owner="old-task-id", task_name="t", policy="success", token="x",
+                acquired_at=time.time(), expires_at=time.time() + 600,
+            ))
+        assert store.acquire("k", "owner-a", 30, META) is None
+        store.add_counts("metrics", {("t", "acquired"): 1})
+        with store.engine.connect() as conn:
+            assert conn.execute(select(old_lock.c.owner)).scalars().all() == ["old-task-id"]
+            old_counter = LEGACY.tables["celery_dedup_counter"]
+            assert conn.execute(select(func.count()).select_from(old_counter)).scalar() == 0
+        assert {"celery_dedup_lock", "celery_dedup_counter", "celery_dedup_sql_lock"} <= set(
+            inspect(store.engine).get_table_names()
+        )
+    finally:
+        store.close()
+
+
 # -- fork safety -------------------------------------------------------------
 
 
 def _child_uses_store(store: SQLStore, query: str, conn: Any) -> None:
     try:
-        fresh_pool = store.engine.pool.checkedin() == 0
+        fresh_pool = store.engine.pool.checkedin() == 0  # type: ignore[attr-defined]
         holder = store.acquire("forked", "child", 30, META)
         with store.engine.connect() as c:
             session = c.exec_driver_sql(query).scalar()
@@ -263,7 +391,7 @@ def test_forked_child_gets_its_own_connections(sql_store: SQLStore) -> None:
     assert sql_store.acquire("parent", "parent", 30, META) is None
     with sql_store.engine.connect() as c:
         parent_session = c.exec_driver_sql(query).scalar()
-    assert sql_store.engine.pool.checkedin() == 1
+    assert sql_store.engine.pool.checkedin() == 1  # type: ignore[attr-defined]
 
     context = multiprocessing.get_context("fork")
     here, there = context.Pipe()
@@ -358,6 +486,33 @@ def test_expiry_follows_the_database_clock(
     assert 25 < holder.ttl <= 30.001
 
 
+@pytest.mark.mysql
+def test_mysql_sessions_are_utc_and_repeatable_read(mysql_server: MySQLServer) -> None:
+    """Whatever the server's defaults, store connections run in UTC with repeatable read."""
+    admin = mysql_server.connect()
+    store = store_from_url(f"db+{mysql_server.url('pymysql')}")
+    assert isinstance(store, SQLStore)
+    try:
+        with admin.cursor() as cursor:
+            cursor.execute("SET GLOBAL time_zone = '+05:00'")
+            cursor.execute("SET GLOBAL TRANSACTION ISOLATION LEVEL READ COMMITTED")
+        assert store.acquire("tz", "owner-a", 30, META) is None
+        with store.engine.connect() as conn:
+            zone = conn.exec_driver_sql("SELECT @@session.time_zone").scalar()
+            isolation = conn.exec_driver_sql("SHOW SESSION VARIABLES LIKE '%%_isolation'").all()
+        assert zone == "+00:00"
+        levels = {value for name, value in isolation if name.endswith("x_isolation")}
+        assert levels == {"REPEATABLE-READ"}
+        lock = store.get("tz")
+        assert lock is not None and 25 < lock.ttl <= 30.001
+    finally:
+        with admin.cursor() as cursor:
+            cursor.execute("SET GLOBAL time_zone = SYSTEM")
+            cursor.execute("SET GLOBAL TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        admin.close()
+        store.close()
+
+
 def test_key_longer_than_the_column_is_refused(sql_store: SQLStore) -> None:
     """A key over 255 characters raises ValueError before any statement is sent."""
     with statements(sql_store) as sent, pytest.raises(ValueError, match="up to 255"):
@@ -407,6 +562,38 @@ def test_reaping_disabled_keeps_rows_until_purged(sql_store: SQLStore) -> None:
         store.close()
 
 
+def revoked_count(store: SQLStore) -> int:
+    """Rows in the revoked marker table, live or expired."""
+    with store.engine.connect() as conn:
+        return int(conn.execute(select(func.count()).select_from(revoked_table)).scalar_one())
+
+
+def test_revoked_markers_live_apart_from_locks(sql_store: SQLStore) -> None:
+    """Markers are rows of their own table, keyed by revoked_marker_key, expiring like locks.
+
+    They never show in scan, even under a prefix that matches the marker
+    key; purge_expired deletes expired ones too but counts only locks.
+    """
+    assert sql_store.acquire("k", "owner-a", 30, META) is None
+    assert sql_store.revoke("k", "owner-a", 0.2) is RevokeOutcome.RELEASED
+    assert sql_store.revoke("k", "owner-b", 30) is RevokeOutcome.NOT_HELD
+    assert sql_store.acquire("short", "owner-c", 0.1, META) is None
+    with sql_store.engine.connect() as conn:
+        keys = set(conn.execute(select(revoked_table.c.key)).scalars())
+    assert keys == {revoked_marker_key("k", "owner-a"), revoked_marker_key("k", "owner-b")}
+    assert list(sql_store.scan("")) != [] and all(
+        lock.key == "short" for lock in sql_store.scan("")
+    )
+    assert list(sql_store.scan("celery-dedup")) == []
+    time.sleep(0.3)
+    assert sql_store.purge_expired() == 1
+    assert revoked_count(sql_store) == 1
+    claim = sql_store.claim("k", "owner-b", release=False, ttl=None, meta=META)
+    assert claim.outcome is ClaimOutcome.REVOKED
+    claim = sql_store.claim("k", "owner-a", release=False, ttl=None, meta=META)
+    assert claim.outcome is ClaimOutcome.FREE
+
+
 # -- unreachable databases ---------------------------------------------------
 
 
@@ -434,6 +621,9 @@ def test_unreachable_database_raises_store_unavailable(template: str) -> None:
         lambda: list(store.scan("k")),
         lambda: store.add_counts("p", {("t", "acquired"): 1}),
         lambda: store.read_counts("p"),
+        lambda: store.claim("k", "owner-a", release=False, ttl=30, meta=META),
+        lambda: store.revoke("k", "owner-a", 30),
+        lambda: store.unrevoke("k", "owner-a"),
     ]
     try:
         for operation in operations:
@@ -445,6 +635,85 @@ def test_unreachable_database_raises_store_unavailable(template: str) -> None:
             assert info.value.__cause__ is not None
     finally:
         store.close()
+
+
+@pytest.mark.postgres
+@pytest.mark.redis
+def test_postgres_url_on_a_port_that_is_not_postgres(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A db+postgresql:// URL on a Redis server's port raises StoreUnavailable, not a hang.
+
+    Redis waits for a newline that the PostgreSQL handshake never sends, so
+    only the store's default connect timeout ends the attempt.
+    """
+    monkeypatch.setattr(sql, "CONNECT_TIMEOUT", 2)
+    url = f"db+postgresql+psycopg://postgres:s3cret@127.0.0.1:{redis_server.port}/postgres"
+    store = store_from_url(url)
+    assert isinstance(store, SQLStore)
+    start = time.monotonic()
+    try:
+        with pytest.raises(StoreUnavailable) as info:
+            store.acquire("k", "owner-a", 30, META)
+        assert time.monotonic() - start < 10
+        assert info.value.store == "sql" and "s3cret" not in str(info.value)
+        assert info.value.__cause__ is not None
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize(
+    ("query", "options", "timeout"),
+    [
+        ("", {}, 10),
+        ("?connect_timeout=3", {}, "3"),
+        ("", {"connect_args": {"connect_timeout": 5}}, 5),
+    ],
+)
+def test_postgres_connections_time_out_by_default(
+    query: str, options: dict[str, Any], timeout: object
+) -> None:
+    """PostgreSQL connections get connect_timeout=10 unless the URL or connect_args set one."""
+    store = SQLStore(f"postgresql+psycopg://u@127.0.0.1:{free_port()}/x{query}",
+                     engine_options=options)
+    seen: list[dict[str, Any]] = []
+
+    def record(dialect: Any, record: Any, cargs: Any, cparams: dict[str, Any]) -> None:
+        seen.append(dict(cparams))
+
+    event.listen(store.engine, "do_connect", record)
+    try:
+        with pytest.raises(StoreUnavailable):
+            store.get("k")
+    finally:
+        store.close()
+    assert seen and seen[0]["connect_timeout"] == timeout
+
+
+@pytest.mark.postgres
+def test_database_refusing_the_sql_is_improperly_configured(
+    postgres_server: PostgresServer,
+) -> None:
+    """A user who may not create the tables gets ImproperlyConfigured, not a driver error."""
+    name = f"limited_{uuid.uuid4().hex[:12]}"
+    with postgres_server.connect() as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+        conn.execute(f"CREATE ROLE {name} LOGIN")
+    with psycopg.connect(
+        host="127.0.0.1", port=postgres_server.port, user="postgres", dbname=name, autocommit=True
+    ) as conn:
+        conn.execute("REVOKE CREATE ON SCHEMA public FROM PUBLIC")
+    store = SQLStore(f"postgresql+psycopg://{name}@127.0.0.1:{postgres_server.port}/{name}")
+    try:
+        with pytest.raises(ImproperlyConfigured, match="refused its SQL") as info:
+            store.acquire("k", "owner-a", 30, META)
+        assert f"127.0.0.1:{postgres_server.port}/{name}" in str(info.value)
+        assert "permission denied" in str(info.value)
+    finally:
+        store.close()
+        with postgres_server.connect() as conn:
+            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+            conn.execute(f"DROP ROLE IF EXISTS {name}")
 
 
 # -- URLs, options and drivers -----------------------------------------------
@@ -556,10 +825,12 @@ def test_missing_sqlalchemy_names_the_sql_extra(monkeypatch: pytest.MonkeyPatch)
         store_from_url("db+sqlite:///locks.sqlite3")
 
 
-def test_unknown_dialect_is_improperly_configured() -> None:
-    """A db+ URL naming no SQLAlchemy dialect raises ImproperlyConfigured."""
-    with pytest.raises(ImproperlyConfigured, match="No SQLAlchemy dialect"):
-        store_from_url("db+nosuchdatabase://u:s3cret@host/x")
+@pytest.mark.parametrize("url", ["db+nosuchdatabase://u:s3cret@host/x", "db+not a url"])
+def test_unknown_dialect_is_improperly_configured(url: str) -> None:
+    """A db+ URL naming no SQLAlchemy dialect, or no URL at all, raises ImproperlyConfigured."""
+    with pytest.raises(ImproperlyConfigured, match="No SQLAlchemy dialect") as info:
+        store_from_url(url)
+    assert "s3cret" not in str(info.value)
 
 
 # -- the MySQL path (no RETURNING), on MariaDB --------------------------------
