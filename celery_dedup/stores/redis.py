@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 from redis.commands.core import Script
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import InvalidResponse
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .base import Claim, ClaimOutcome, Lock, LockMeta, RevokeOutcome, unavailable_on
@@ -159,10 +160,12 @@ return false
 _HOLDER_FIELDS = ("owner", "task", "policy", "at", "id", "st")
 _REVOKE_OUTCOMES = {0: RevokeOutcome.NOT_HELD, 1: RevokeOutcome.RELEASED, 2: RevokeOutcome.RUNNING}
 
-#: The driver errors that mean "the server cannot be reached".
+#: The driver errors that mean "the server cannot be reached" (or is not a
+#: Redis server: an answer outside the protocol is one of them).
 UNREACHABLE: tuple[type[BaseException], ...] = (
     RedisConnectionError,
     RedisTimeoutError,
+    InvalidResponse,
     OSError,
 )
 

@@ -9,11 +9,12 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_dedup import DedupTask, inspect_lock
+from celery_dedup import DeduplicationUnavailable, DedupTask, StoreUnavailable, inspect_lock
 from celery_dedup.runtime import runtime_for
-from celery_dedup.stores import derive_store_url
+from celery_dedup.stores import derive_store_url, store_from_url
 from celery_dedup.stores.redis import RedisStore
 from tests.fixtures._servers import find_binary, free_port, running
+from tests.fixtures.memcached import MemcachedServer
 from tests.fixtures.redis import RedisServer
 
 pytestmark = pytest.mark.redis
@@ -127,4 +128,31 @@ def test_sentinel_store_finds_the_master(store_db: RedisServer, sentinel: int) -
     first = job.delay(1)
     assert job.delay(1).id == first.id
     assert store_db.client(STORE_DB).exists(first.deduplication_key) == 1
+    app.close()
+
+
+@pytest.mark.parametrize("fallback", ["open", "closed"])
+def test_a_redis_url_on_another_service_follows_the_fallback(
+    memcached_server: MemcachedServer, fallback: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A redis:// store URL on a memcached port: one typed error, never the driver's raw one."""
+    url = f"redis://127.0.0.1:{memcached_server.port}/0"
+    store = store_from_url(url)
+    with pytest.raises(StoreUnavailable, match="InvalidResponse"):
+        store.acquire("k", "owner", 10, {"task_name": "t", "policy": "success", "task_id": "i"})
+    app = Celery("wrong-protocol", broker="memory://", set_as_current=False)
+    app.conf.update(dedup_store=url, dedup_fallback=fallback)
+
+    @app.task(base=DedupTask, shared=False, unique_for=10)
+    def job(x: int) -> int:
+        return x
+
+    if fallback == "closed":
+        with pytest.raises(DeduplicationUnavailable, match="InvalidResponse"):
+            job.delay(1)
+    else:
+        with caplog.at_level("WARNING", logger="celery_dedup"):
+            result = job.delay(1)
+        assert result.deduplicated is False
+        assert "unavailable" in caplog.text and "InvalidResponse" in caplog.text
     app.close()
