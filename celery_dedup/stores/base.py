@@ -170,6 +170,13 @@ class LockStore(Protocol):
         its lock (``RUNNING``); else ``NOT_HELD``.
         """
 
+    def settle(self, key: str, owner: str, ttl: float | None = None) -> bool:
+        """Mark ``owner``'s lock not started (its run ended, or went back to the queue).
+
+        Owner-checked, one round trip; the TTL is kept, or set to ``ttl``
+        seconds from now when given. Returns whether ``owner`` holds ``key``.
+        """
+
     def unrevoke(self, key: str, owner: str) -> None:
         """Delete the revoked marker of ``owner`` on ``key`` (undo a revoke whose cause failed)."""
 

@@ -241,6 +241,10 @@ class DjangoStore:
         marker = revoked_marker_key(key, owner)
         return RevokeOutcome(self._run(lambda q: q.revoke(key, owner, marker, ttl)))
 
+    def settle(self, key: str, owner: str, ttl: float | None = None) -> bool:
+        """Mark the owner's lock not started, keeping or resetting its TTL (one ``UPDATE``)."""
+        return self._run(lambda q: q.settle(key, owner, ttl))
+
     def unrevoke(self, key: str, owner: str) -> None:
         """Delete the revoked marker of ``owner`` on ``key``."""
         marker = revoked_marker_key(key, owner)

@@ -169,6 +169,10 @@ class DjangoCacheStore:
         """Revoke ``owner`` (see ``LockStore.revoke``)."""
         return self.locks().revoke(key, owner, ttl)
 
+    def settle(self, key: str, owner: str, ttl: float | None = None) -> bool:
+        """Mark the owner's lock not started (see ``LockStore.settle``)."""
+        return self.locks().settle(key, owner, ttl)
+
     def unrevoke(self, key: str, owner: str) -> None:
         """Delete the revoked marker of ``owner``."""
         self.locks().unrevoke(key, owner)

@@ -6,9 +6,9 @@ built from its two atomic primitives, one key at a time:
 * ``add`` stores a key only if it is absent: a free lock is taken in one
   round trip; a held one costs a second (``gets``) to report the holder.
 * ``cas`` stores only if nobody wrote the key since our ``gets``. Every
-  owner-checked write (release, extend, take-over, start check, revoke) is
-  ``gets`` + ``cas``, re-read and re-checked if anyone wrote the key in
-  between. A delete is a ``cas`` to an already-expired item: a true
+  owner-checked write (release, extend, settle, take-over, start check,
+  revoke) is ``gets`` + ``cas``, re-read and re-checked if anyone wrote the
+  key in between. A delete is a ``cas`` to an already-expired item: a true
   compare-and-delete, never a check followed by a blind ``delete``.
 
 ``claim`` and ``revoke`` touch two keys, the lock and the owner's revoked
@@ -310,15 +310,25 @@ class CacheLocks:
             return self._add(slot.physical, value, seconds)
         return self._cas(slot, value, seconds)
 
-    def _release_owned(self, physical: str, owner: str) -> bool:
+    def _rewrite_owned(
+        self, physical: str, owner: str, rewrite: Callable[[Lock], tuple[str | None, float]]
+    ) -> bool:
+        """``cas`` ``owner``'s record to ``rewrite(holder)`` (value or ``None``, seconds).
+
+        Read again when someone wrote the key meanwhile; False when
+        ``owner`` does not hold it.
+        """
         for _ in _attempts():
             slot, _found = self._read(physical)
             holder = slot.lock
             if holder is None or holder.owner != owner:
                 return False
-            if self._cas(slot, None, 0):
+            if self._cas(slot, *rewrite(holder)):
                 return True
         raise _Contended
+
+    def _release_owned(self, physical: str, owner: str) -> bool:
+        return self._rewrite_owned(physical, owner, lambda _holder: (None, 0))
 
     # -- LockStore ---------------------------------------------------------
 
@@ -349,15 +359,28 @@ class CacheLocks:
         """Read, compare the owner, ``cas`` the record with a new end (fields kept)."""
         physical = self._physical(key)
         with self._op("extend"):
-            for _ in _attempts():
-                slot, _found = self._read(physical)
-                holder = slot.lock
-                if holder is None or holder.owner != owner:
-                    return False
-                record = _reencode(holder, expires_at=self._now(physical) + ttl)
-                if self._cas(slot, record, ttl):
-                    return True
-            raise _Contended
+            return self._rewrite_owned(
+                physical,
+                owner,
+                lambda holder: (_reencode(holder, expires_at=self._now(physical) + ttl), ttl),
+            )
+
+    def settle(self, key: str, owner: str, ttl: float | None = None) -> bool:
+        """Read, compare the owner, ``cas`` the record not started.
+
+        The item keeps its end (the record's, on the server's clock), or
+        lives ``ttl`` seconds from now when given.
+        """
+        physical = self._physical(key)
+
+        def settled(holder: Lock) -> tuple[str, float]:
+            if ttl is None:
+                return _reencode(holder, started=False), self._remaining(physical, holder)
+            expires_at = self._now(physical) + ttl
+            return _reencode(holder, expires_at=expires_at, started=False), ttl
+
+        with self._op("settle"):
+            return self._rewrite_owned(physical, owner, settled)
 
     def take_over(self, key: str, owner: str, ttl: float, meta: LockMeta) -> Lock | None:
         """Read the holder, then store the new lock over it (``cas``, or ``add`` if free)."""
@@ -569,8 +592,8 @@ class MemcachedStore(CacheLocks):
     no socket is shared across a fork.
 
     Round trips: acquire 1 (free key) or 2 (held: ``add`` then ``gets``);
-    release, extend, take-over and revoke 2 (``gets`` + ``cas``; revoke adds
-    the marker's ``set``); claim 2 (``gets_many`` + ``cas``, plus a marker
+    release, extend, settle, take-over and revoke 2 (``gets`` + ``cas``;
+    revoke adds the marker's ``set``); claim 2 (``gets_many`` + ``cas``, plus a marker
     read when it takes a free key); get 1. The first operation on a server in
     a process also reads its clock (``stats``), again every 5 minutes.
     """

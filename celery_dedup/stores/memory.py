@@ -152,6 +152,17 @@ class MemoryStore:
             del self._locks[key]
             return RevokeOutcome.RELEASED
 
+    def settle(self, key: str, owner: str, ttl: float | None = None) -> bool:
+        """Mark the owner's lock not started, keeping or resetting its TTL."""
+        with self._mutex:
+            now = self.clock()
+            holder = self._live(key, now)
+            if holder is None or holder.owner != owner:
+                return False
+            expires_at = holder.expires_at if ttl is None else now + ttl
+            self._locks[key] = replace(holder, started=False, expires_at=expires_at)
+            return True
+
     def unrevoke(self, key: str, owner: str) -> None:
         """Forget the revoked marker of ``owner``."""
         with self._mutex:

@@ -77,6 +77,21 @@ return 0
 """
 
 # KEYS[1] - lock key
+# ARGV[1] - owner token
+# ARGV[2] - new ttl in milliseconds, or "" to keep the ttl
+# return 1 if the owner holds the lock (now not started), else 0
+SETTLE = """
+if redis.call('hget', KEYS[1], 'owner') == ARGV[1] then
+    redis.call('hdel', KEYS[1], 'st')
+    if ARGV[2] ~= '' then
+        redis.call('pexpire', KEYS[1], ARGV[2])
+    end
+    return 1
+end
+return 0
+"""
+
+# KEYS[1] - lock key
 # ARGV[1..6] - as ACQUIRE
 # return nil when the key was free, else the previous holder
 TAKE_OVER = """
@@ -198,6 +213,7 @@ class RedisStore:
         self._extend: Script = client.register_script(EXTEND)
         self._take_over: Script = client.register_script(TAKE_OVER)
         self._claim: Script = client.register_script(CLAIM)
+        self._settle: Script = client.register_script(SETTLE)
         self._revoke: Script = client.register_script(REVOKE)
         self._get: Script = client.register_script(GET)
 
@@ -315,6 +331,12 @@ class RedisStore:
                 keys=[self._k(key), self._marker(key, owner)], args=[owner, _ms(ttl)]
             )
         return _REVOKE_OUTCOMES[int(raw)]
+
+    def settle(self, key: str, owner: str, ttl: float | None = None) -> bool:
+        """Mark the owner's lock not started, keeping or resetting its TTL (one EVALSHA)."""
+        with self._boundary():
+            raw = self._settle(keys=[self._k(key)], args=[owner, "" if ttl is None else _ms(ttl)])
+        return bool(raw)
 
     def unrevoke(self, key: str, owner: str) -> None:
         """Delete the revoked marker of ``owner`` (one DEL)."""

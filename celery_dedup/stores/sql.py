@@ -351,6 +351,11 @@ class SQLStore:
         params = self._params(key, owner, ttl, {})
         return self._run(lambda d, conn: d.revoke(conn, params), key)
 
+    def settle(self, key: str, owner: str, ttl: float | None = None) -> bool:
+        """Mark the owner's live lock not started, keeping or resetting its expiry (one UPDATE)."""
+        params = {"b_key": key, "b_owner": owner, "b_ttl": None if ttl is None else float(ttl)}
+        return self._run(lambda d, conn: conn.execute(d.settle, params).rowcount > 0, key)
+
     def unrevoke(self, key: str, owner: str) -> None:
         """Delete the revoked marker of ``owner`` on ``key`` (one DELETE)."""
         params = {"b_marker": revoked_marker_key(key, owner)}

@@ -223,7 +223,8 @@ class _Dialect:
 
     Bound parameters: ``b_key``, ``b_owner``, ``b_task_id``, ``b_task_name``,
     ``b_policy``, ``b_started``, ``b_token``, ``b_ttl``; ``b_marker`` (the
-    revoked marker key); for claims ``b_release`` and ``b_take``.
+    revoked marker key); for claims ``b_release`` and ``b_take``; ``b_ttl``
+    is NULL for a settle that keeps the expiry.
     """
 
     #: how "now" reads as epoch seconds, stable within one statement
@@ -243,6 +244,17 @@ class _Dialect:
             update(lock_table)
             .where(self.mine)
             .values(expires_at=self.now + bindparam("b_ttl", type_=Double()))
+        )
+        # A NULL ``b_ttl`` keeps the expiry.
+        self.settle = (
+            update(lock_table)
+            .where(self.mine)
+            .values(
+                started=False,
+                expires_at=func.coalesce(
+                    self.now + bindparam("b_ttl", type_=Double()), _L.expires_at
+                ),
+            )
         )
         self.unrevoke = delete(revoked_table).where(_R.key == bindparam("b_marker"))
         self.scan = (

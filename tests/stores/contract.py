@@ -377,6 +377,28 @@ class StoreContract:
         # Markers are not locks: scan never lists them.
         assert [lock.key for lock in store.scan("r:")] == ["r:other"]
 
+    def test_settle_clears_started(self, store_case: StoreCase) -> None:
+        """settle() by the holder clears started (keeping or resetting the TTL); others cannot."""
+        store = store_case.store
+        assert store.acquire("s:set", "token-a", 30, META) is None
+        store.claim("s:set", "token-a", release=False, ttl=30, meta=META)
+        assert store.settle("s:set", "token-b") is False
+        lock = store.get("s:set")
+        assert lock is not None and lock.started is True
+        assert store.settle("s:set", "token-a") is True
+        lock = store.get("s:set")
+        assert lock is not None and lock.started is False and 25 < lock.ttl <= 30.001
+        assert (lock.owner, lock.task_id, lock.policy) == ("token-a", "id-a", "success")
+        store.claim("s:set", "token-a", release=False, ttl=30, meta=META)
+        assert store.settle("s:set", "token-a", 90) is True
+        lock = store.get("s:set")
+        assert lock is not None and lock.started is False and 85 < lock.ttl <= 90.001
+        # A settled (queued again) holder is released at once by a revoke.
+        assert store.revoke("s:set", "token-a", 60) is RevokeOutcome.RELEASED
+        assert store.settle("s:set", "token-a") is False
+        assert store.settle("s:none", "token-a", 30) is False
+        assert store.get("s:none") is None
+
     def test_revoked_marker_expires(self, store_case: StoreCase) -> None:
         """A revoked marker lives its ttl, then the token may start again."""
         store = store_case.store
