@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from celery import current_app
@@ -10,6 +10,7 @@ from celery import current_app
 from .exceptions import DedupError
 from .identity import deterministic_task_id
 from .options import pop_call_options
+from .results import owner_of
 from .runtime import runtime_for
 from .signals import lock_released
 from .stores.base import Lock, LockStore, RevokeOutcome
@@ -81,7 +82,8 @@ def release(
         if holder is None or (owner is not None and owner not in (holder.owner, holder.task_id)):
             return False
     else:
-        holder = _lock_of(store, app, target.id, getattr(target, "deduplication_key", None))
+        key = getattr(target, "deduplication_key", None)
+        holder = _lock_of(store, app, target.id, key, owner_of(target))
         if holder is None:
             return False
     released = store.release(holder.key, holder.owner)
@@ -121,7 +123,7 @@ def revoke(
     app = app or getattr(result, "app", None) or current_app
     app, store = _store(app)
     key = key or getattr(result, "deduplication_key", None)
-    lock = _lock_of(store, app, task_id, key)
+    lock = _lock_of(store, app, task_id, key, owner_of(result))
     outcome = RevokeOutcome.NOT_HELD
     if lock is not None:
         revoked_ttl = max(lock.ttl, runtime_for(app).settings.revoked_ttl)
@@ -139,17 +141,27 @@ def revoke(
     return outcome
 
 
-def _lock_of(store: LockStore, app: Celery, task_id: str, key: str | None) -> Lock | None:
-    """The lock ``task_id`` holds: at ``key`` if known, else found by scanning (slow)."""
+def _lock_of(
+    store: LockStore, app: Celery, task_id: str, key: str | None, owner: str | None = None
+) -> Lock | None:
+    """The lock ``task_id`` holds: at ``key`` if known, else found by scanning (slow).
+
+    With ``owner`` (the handle ``apply_async`` returned knows its publish's
+    token) only that publish's lock matches, so an old handle never acts on
+    a later run reusing its task id (deterministic ids).
+    """
     if key is not None:
-        lock = store.get(key)
-        return lock if lock is not None and lock.task_id == task_id else None
-    prefix = runtime_for(app).settings.key_prefix + ":"
-    return next((lock for lock in store.scan(prefix) if lock.task_id == task_id), None)
+        locks: Iterable[Lock] = [lock] if (lock := store.get(key)) is not None else []
+    else:
+        locks = store.scan(runtime_for(app).settings.key_prefix + ":")
+    for lock in locks:
+        if lock.task_id == task_id and (owner is None or lock.owner == owner):
+            return lock
+    return None
 
 
 def _count_release(app: Celery, key: str) -> None:
     """Count a manual release under the task name the key carries."""
     runtime = runtime_for(app)
     task_name = key.rsplit(":", 1)[0].removeprefix(runtime.settings.key_prefix + ":")
-    runtime.metrics.incr(task_name, "released")
+    runtime.metrics.incr(task_name, "released_manual")

@@ -62,6 +62,9 @@ def enqueue_many(
     frozen = cast(GroupResult, batch.freeze())
     group_id = str(frozen.id)
     owner = new_token()
+    # Saved before the lock is taken: a duplicate that finds the lock always
+    # restores the real members, never an empty group.
+    _save(frozen)
     store = runtime.store
     holder = None
     if store is None:
@@ -78,6 +81,7 @@ def enqueue_many(
             runtime.fall_back(BATCH_TASK_NAME, exc)
             store = None
     if holder is not None:
+        runtime.metrics.incr(BATCH_TASK_NAME, "deduplicated")
         task_deduplicated.send(
             sender=None,
             key=key,
@@ -93,9 +97,8 @@ def enqueue_many(
             )
         return _mark(_restore(app, holder.task_id), deduplicated=True, key=key)
     if store is not None:
+        runtime.metrics.incr(BATCH_TASK_NAME, "acquired")
         lock_acquired.send(sender=None, key=key, task_id=group_id, ttl=ttl, policy="expiry")
-    # Saved before publishing: a duplicate made meanwhile restores the real members.
-    _save(frozen)
     try:
         result = cast(GroupResult, batch.apply_async())
     except BaseException:

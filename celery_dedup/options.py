@@ -4,11 +4,19 @@ Options come from four places, highest first: the call
 (``apply_async(unique_for=…)``, ``sig.set(…)``), the task's attributes, the
 app's ``dedup_*`` settings, then the defaults below. The task, the Django
 system checks and the CLI all use the validators defined here.
+
+Misspelt option names are not ignored silently: an unknown name that looks
+like a celery-dedup option (``unique_untill``, ``unqiue_for``,
+``dedup_default_tll``) given to a task, a call or the app's settings emits a
+``DedupConfigWarning`` with a "did you mean", once per task and name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, MutableMapping
+import difflib
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import Enum
@@ -22,16 +30,23 @@ from .policy import UniqueUntil
 __all__ = [
     "CALL_OPTIONS",
     "DEFAULTS",
+    "KNOWN_SETTINGS",
     "NOT_GIVEN",
     "SETTINGS",
+    "TASK_OPTIONS",
+    "DedupConfigWarning",
     "Fallback",
     "OnDuplicate",
     "ResolvedOptions",
+    "did_you_mean",
+    "naming_task",
     "pop_call_options",
     "validate_bool",
     "validate_choice",
     "validate_setting",
     "validate_unique_for",
+    "warn_unknown_settings",
+    "warn_unknown_task_options",
 ]
 
 
@@ -209,17 +224,118 @@ CALL_OPTIONS: Final[Mapping[str, Callable[[Any, str], Any]]] = {
 }
 
 
-def pop_call_options(options: MutableMapping[str, Any]) -> dict[str, Any]:
+def pop_call_options(options: MutableMapping[str, Any], task_name: str = "") -> dict[str, Any]:
     """Pop and validate the dedup options of one ``apply_async`` call.
 
     Popping matters: Celery would publish unknown options as broker message
     properties. Options the caller did not pass are absent from the result.
+    A misspelt dedup option warns (``DedupConfigWarning``); an invalid value
+    raises ``InvalidOptionError`` naming ``task_name`` when given.
     """
     given: dict[str, Any] = {}
-    for name, validate in CALL_OPTIONS.items():
-        if name in options:
-            given[name] = validate(options.pop(name), name)
+    with naming_task(task_name):
+        for name, validate in CALL_OPTIONS.items():
+            if name in options:
+                given[name] = validate(options.pop(name), name)
+    for name in options:
+        if name not in _CELERY_CALL_OPTIONS:
+            _warn_if_misspelt(name, CALL_OPTIONS, task_name, "call option")
     return given
+
+
+# -- misspelt names and errors that name the task ---------------------------------
+
+
+class DedupConfigWarning(UserWarning):
+    """An option or setting name that looks like a misspelt celery-dedup one."""
+
+
+#: the task attributes ``DedupTask`` reads
+TASK_OPTIONS: Final = (
+    "unique_for",
+    "unique_until",
+    "identity",
+    "on_duplicate",
+    "unique_on",
+    "deduplication_key",
+    "deterministic_id",
+)
+
+#: every ``dedup_*`` setting celery-dedup reads
+KNOWN_SETTINGS: Final = frozenset({*SETTINGS, "dedup_store_options"})
+
+#: the prefixes that make an unknown name "dedup-like" even far from every known one
+_DEDUP_PREFIXES: Final = ("unique_", "uniq_", "dedup", "deduplication", "on_dup", "determin")
+
+# apply_async options of Celery itself (never warned about)
+_CELERY_CALL_OPTIONS: Final = frozenset({
+    "add_to_parent", "argsrepr", "chain", "chord", "compression", "connection", "countdown",
+    "delivery_mode", "eta", "exchange", "exchange_type", "expires", "group_id", "group_index",
+    "headers", "ignore_result", "immutable", "is_eager", "kwargsrepr", "link", "link_error",
+    "mandatory", "parent_id", "priority", "producer", "publisher", "queue", "replaced_task_nesting",
+    "reply_to", "retries", "retry", "retry_policy", "root_id", "routing_key", "serializer",
+    "shadow", "soft_time_limit", "stamped_headers", "stamps", "subtask_type", "task_id",
+    "task_type", "time_limit", "MessageGroupId", "MessageDeduplicationId",
+})
+
+_warned: set[tuple[str, str]] = set()
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str | None:
+    """The known name closest to ``name`` (``difflib``), or ``None``."""
+    close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
+def _warn_if_misspelt(name: str, known: Iterable[str], task_name: str, what: str) -> None:
+    if name in known or (task_name, name) in _warned:
+        return
+    suggestion = did_you_mean(name, known)
+    if suggestion is None and not name.lower().startswith(_DEDUP_PREFIXES):
+        return
+    _warned.add((task_name, name))
+    where = f"{task_name}: " if task_name else ""
+    hint = f"did you mean {suggestion!r}?" if suggestion else f"known: {', '.join(sorted(known))}"
+    warnings.warn(
+        f"celery-dedup: {where}unknown {what} {name!r} is ignored; {hint}",
+        DedupConfigWarning,
+        stacklevel=4,
+    )
+
+
+def warn_unknown_task_options(attributes: Mapping[str, Any], task_name: str) -> None:
+    """Warn about attributes of a ``DedupTask`` class that look like misspelt options.
+
+    Called when the task class is created (``@app.task(unique_untill=...)``
+    sets ``unique_untill`` on it); names Celery's ``Task`` itself has are skipped.
+    """
+    from celery import Task
+
+    for name in attributes:
+        if not name.startswith("_") and not hasattr(Task, name):
+            _warn_if_misspelt(name, TASK_OPTIONS, task_name, "task option")
+
+
+def warn_unknown_settings(conf: Mapping[str, Any]) -> None:
+    """Warn about ``dedup_*`` settings celery-dedup does not read (a typo?)."""
+    for name in list(conf.keys()):
+        if isinstance(name, str) and name.lower().startswith("dedup"):
+            _warn_if_misspelt(name, KNOWN_SETTINGS, "", "setting")
+
+
+@contextmanager
+def naming_task(task_name: str) -> Iterator[None]:
+    """Prefix an ``InvalidOptionError`` raised inside with ``task_name``.
+
+    So every option error says which task it is about, including the ones
+    raised where a worker first resolves a task's options.
+    """
+    try:
+        yield
+    except InvalidOptionError as exc:
+        if task_name and not exc.task_name:
+            exc.name_task(task_name)
+        raise
 
 
 @dataclass(frozen=True)

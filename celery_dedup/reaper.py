@@ -10,8 +10,10 @@ every lock whose holder finished in a state its policy releases on:
 A result belongs to a task id, not to a run: with ``deterministic_id`` every
 run of a key shares one id, so a stored SUCCESS may be an earlier run's.
 Locks held under a deterministic id are therefore never reaped (their TTL
-frees them); every other lock is reaped only for a result stored after the
-lock was taken, and always through its owner token.
+frees them); every other lock is reaped only if its holder's message
+started (a queued holder has no result of its own yet, whatever is stored
+under its id) and for a result stored after the lock was taken, and
+always through its owner token.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ def reap(app: Celery, *, task_name: str | None = None) -> list[Lock]:
     prefix = f"{runtime.settings.key_prefix}:{task_name + ':' if task_name else ''}"
     released: list[Lock] = []
     for lock in list(store.scan(prefix)):
-        if lock.task_id == deterministic_task_id(lock.key):
+        if not lock.started or lock.task_id == deterministic_task_id(lock.key):
             continue
         result = app.AsyncResult(lock.task_id)
         state = result.state
@@ -86,7 +88,7 @@ def reap(app: Celery, *, task_name: str | None = None) -> list[Lock]:
             continue
         if store.release(lock.key, lock.owner):
             released.append(lock)
-            runtime.metrics.incr(lock.task_name, "released")
+            runtime.metrics.incr(lock.task_name, "released_manual")
             lock_released.send(sender=None, key=lock.key, task_id=lock.task_id, reason="reaped")
             logger.info(
                 "celery-dedup: reaped lock %s of %s[%s] (%s)",

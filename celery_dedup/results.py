@@ -8,7 +8,7 @@ from celery.result import AsyncResult
 
 from .stores.base import Lock
 
-__all__ = ["DeduplicatedResult", "mark_result"]
+__all__ = ["DeduplicatedResult", "mark_result", "owner_of"]
 
 
 if TYPE_CHECKING:
@@ -48,8 +48,20 @@ class DeduplicatedResult(_AsyncResult):
         return f"<DeduplicatedResult: {self.id} (duplicate)>"
 
 
-def mark_result(result: Any, key: str | None) -> Any:
-    """Tag a published call's result with ``deduplicated=False`` and its key."""
+def mark_result(result: Any, key: str | None, owner: str | None = None) -> Any:
+    """Tag a published call's result with ``deduplicated=False`` and its key.
+
+    ``owner`` is the publish's owner token, kept privately on the handle so
+    ``celery_dedup.revoke``/``release`` given this handle act on this
+    publish only, never on a later run that reuses its task id.
+    """
     result.deduplicated = False
     result.deduplication_key = key
+    result._dedup_owner = owner
     return result
+
+
+def owner_of(result: Any) -> str | None:
+    """The owner token of the publish ``result`` was returned for, if known."""
+    owner = getattr(result, "_dedup_owner", None)
+    return owner if isinstance(owner, str) else None

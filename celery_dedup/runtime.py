@@ -1,7 +1,12 @@
 """Per-app state: the resolved ``dedup_*`` settings and the lock store.
 
-Resolved once per app on first use, so no call re-reads settings or
-re-resolves the store.
+Resolved on first use. A later change of a ``dedup_*`` setting made on
+``app.conf`` (``app.conf.dedup_default_ttl = 5``, ``app.conf.update(...)``,
+common in test fixtures) is noticed by the next call, at the cost of a few
+dict lookups, and takes effect: the settings are read again, and the store
+is resolved again when a setting it depends on changed. Settings that live
+elsewhere (Django settings read through ``config_from_object``) are re-read
+after ``reset_runtime(app)`` (the Django app does it on ``setting_changed``).
 """
 
 from __future__ import annotations
@@ -11,11 +16,11 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .exceptions import DeduplicationUnavailable, StoreUnavailable
+from .exceptions import DeduplicationUnavailable, ImproperlyConfigured, StoreUnavailable
 from .identity import Identity
 from .metrics import Metrics, flush_interval
 from .native import Native
-from .options import Fallback, OnDuplicate, read_setting
+from .options import Fallback, OnDuplicate, read_setting, warn_unknown_settings
 from .policy import UniqueUntil
 from .signals import dedup_fallback
 from .stores import derive_store_url, store_from_url
@@ -24,18 +29,46 @@ from .stores.base import LockStore
 if TYPE_CHECKING:
     from celery import Celery
 
-__all__ = ["AppSettings", "Runtime", "runtime_for"]
+__all__ = ["WATCHED_SETTINGS", "AppSettings", "Runtime", "reset_runtime", "runtime_for"]
 
 logger = logging.getLogger("celery_dedup")
 
 _ATTR = "_celery_dedup_runtime"
 _CREATE_LOCK = threading.Lock()
 
+#: settings whose change on ``app.conf`` makes the next call re-read them
+WATCHED_SETTINGS = (
+    "dedup_store",
+    "dedup_store_options",
+    "dedup_key_prefix",
+    "dedup_default_ttl",
+    "dedup_default_unique_until",
+    "dedup_default_identity",
+    "dedup_default_on_duplicate",
+    "dedup_fallback",
+    "dedup_send_events",
+    "dedup_metrics_flush_interval",
+    "dedup_native",
+    "dedup_revoked_ttl",
+    "task_send_sent_event",
+    "result_backend",
+    "broker_url",
+)
+#: the settings the store is resolved from
+_STORE_SETTINGS = frozenset({"dedup_store", "dedup_store_options", "result_backend", "broker_url"})
+
 W_NO_STORE = (
     "celery-dedup: no lock store can be derived from this app (result backend %s, "
-    "broker %s) and dedup_store is not set; publishing without deduplication "
-    "(dedup_fallback='open'). Set dedup_store to a redis://, db+…, django-db or "
-    "memcached:// URL."
+    "broker %s) and dedup_store is not set; publishing without deduplication, as "
+    "dedup_fallback='open' asks. Set dedup_store to a redis://, db+…, django-db or "
+    "memcached:// URL to deduplicate."
+)
+E_NOT_CONFIGURED = (
+    "celery-dedup cannot deduplicate {task}: no lock store can be derived from this app "
+    "(result backend {backend}, broker {broker}) and dedup_store is not set, so nothing was "
+    "published. Set dedup_store (CELERY_DEDUP_STORE) to a redis://, db+…, django-db or "
+    "memcached:// URL; or set dedup_fallback='open' explicitly to publish without "
+    "deduplication."
 )
 W_UNAVAILABLE = (
     "celery-dedup: lock store unavailable (%s); publishing without deduplication "
@@ -96,7 +129,12 @@ class Runtime:
 
     def __init__(self, app: Celery) -> None:
         self.app = app
+        warn_unknown_settings(app.conf)
         self.settings = AppSettings.from_conf(app.conf)
+        self._seen = self._watched()
+        self._stale = False
+        #: bumped each time the settings are read again (tasks rebuild their options)
+        self.generation = 0
         self._store: LockStore | None = None
         self._store_resolved = False
         self._store_lock = threading.Lock()
@@ -107,6 +145,41 @@ class Runtime:
             prefix=self.settings.key_prefix,
             interval=flush_interval(app.conf),
         )
+
+    def _watched(self) -> tuple[Any, ...]:
+        changes = self.app.conf.changes or {}
+        return tuple(map(changes.get, WATCHED_SETTINGS))
+
+    def invalidate(self) -> None:
+        """Make the next use read the settings (and resolve the store) again."""
+        self._stale = True
+
+    def changed_since(self, generation: int) -> bool:
+        """Re-read the settings if they changed; whether they differ from ``generation``'s.
+
+        ``DedupTask.dedup_config`` calls it on each call with the generation
+        its options were built from, and rebuilds them when it returns True.
+        """
+        self.refresh()
+        return self.generation != generation
+
+    def refresh(self) -> None:
+        """Read the settings again if ``app.conf`` changed them (or ``invalidate`` was called)."""
+        seen = self._watched()
+        if seen == self._seen and not self._stale:
+            return
+        with self._store_lock:
+            before, self._seen, self._stale = self._seen, seen, False
+            warn_unknown_settings(self.app.conf)
+            self.settings = AppSettings.from_conf(self.app.conf)
+            self.metrics.prefix = self.settings.key_prefix
+            self.metrics.interval = flush_interval(self.app.conf)
+            changed = {name for name, old, new in zip(WATCHED_SETTINGS, before, seen, strict=True)
+                       if old != new}
+            if changed & _STORE_SETTINGS or not changed:
+                self._store, self._store_resolved = None, False
+            self._warned.clear()
+            self.generation += 1
 
     @property
     def store(self) -> LockStore | None:
@@ -132,9 +205,20 @@ class Runtime:
         """Apply ``dedup_fallback`` for a call that could not take a lock.
 
         Returns (publish without a lock) in open mode; raises
-        ``DeduplicationUnavailable`` in closed mode.
+        ``DeduplicationUnavailable`` in closed mode. With no store at all
+        (``error`` is ``None``) and ``dedup_fallback`` not set explicitly,
+        raises ``ImproperlyConfigured`` naming the task: an app that cannot
+        deduplicate is a configuration error, not a warning.
         """
         reason = "no_store" if error is None else "unavailable"
+        if error is None and self.app.conf.get("dedup_fallback") is None:
+            raise ImproperlyConfigured(
+                E_NOT_CONFIGURED.format(
+                    task=task_name,
+                    backend=_backend_scheme(self.app),
+                    broker=_broker_scheme(self.app),
+                )
+            )
         self.metrics.incr(task_name, "fallback")
         if self.settings.fallback is Fallback.CLOSED:
             dedup_fallback.send(sender=task_name, reason=reason, action="closed", error=error)
@@ -163,8 +247,13 @@ def _broker_scheme(app: Celery) -> str:
     return str(broker).partition("://")[0] or "none"
 
 
+def _backend_scheme(app: Celery) -> str:
+    backend = app.conf.get("result_backend") or ""
+    return f"{str(backend).partition('://')[0]}://" if backend else "none"
+
+
 def runtime_for(app: Celery) -> Runtime:
-    """The ``Runtime`` of ``app``, created on first use."""
+    """The ``Runtime`` of ``app``, created on first use, its settings up to date."""
     runtime: Runtime | None = getattr(app, _ATTR, None)
     if runtime is None:
         with _CREATE_LOCK:
@@ -172,6 +261,8 @@ def runtime_for(app: Celery) -> Runtime:
             if runtime is None:
                 runtime = Runtime(app)
                 setattr(app, _ATTR, runtime)
+                return runtime
+    runtime.refresh()
     return runtime
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -32,11 +33,13 @@ from .identity import (
 from .options import (
     OnDuplicate,
     ResolvedOptions,
+    naming_task,
     pop_call_options,
     validate_bool,
     validate_choice,
     validate_key,
     validate_unique_for,
+    warn_unknown_task_options,
 )
 from .policy import UniqueUntil, lock_ttl
 from .results import DeduplicatedResult, mark_result
@@ -146,17 +149,29 @@ class DedupTask(_Task):
     #: Derive the task id from the lock key (uuid5), the same for every producer.
     deterministic_id: bool | None = None
 
+    #: Option names this class uses for something else (the celery-singleton
+    #: shim's ``on_duplicate(existing_task_id)`` hook): they are neither
+    #: validated nor read as options; the app's settings apply unless the
+    #: subclass's ``build_dedup_config`` supplies them.
+    dedup_not_options: frozenset[str] = frozenset()
+
     _dedup_config: TaskConfig | None = None
+    _dedup_generation: int = -1
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        for name, validate in _ATTRIBUTES.items():
-            if name in cls.__dict__:
-                validate(cls.__dict__[name], name)
+        task_name = str(cls.__dict__.get("name") or cls.__qualname__)
+        if "run" in cls.__dict__:  # typo warnings are for tasks, not their bases
+            inherited = {n for base in cls.__mro__[1:] for n in vars(base)}
+            own = {n: v for n, v in cls.__dict__.items() if n not in inherited}
+            warn_unknown_task_options(own, task_name)
+        with naming_task(task_name):
+            for name, validate in _ATTRIBUTES.items():
+                if name in cls.__dict__ and name not in cls.dedup_not_options:
+                    validate(cls.__dict__[name], name)
         if cls.__dict__.get("unique_on") is not None and "run" in cls.__dict__:
             # Unknown parameter names fail at definition, not at the first call.
-            name = str(cls.__dict__.get("name") or cls.__qualname__)
-            ArgumentBinder(cls.run, name, _validate_unique_on(cls.unique_on, "unique_on"))
+            ArgumentBinder(cls.run, task_name, _validate_unique_on(cls.unique_on, "unique_on"))
         key_callable = cls.__dict__.get("deduplication_key")
         if key_callable is not None and not isinstance(key_callable, staticmethod):
             # A function stored on the class would become a bound method.
@@ -165,10 +180,15 @@ class DedupTask(_Task):
     # -- configuration -----------------------------------------------------
 
     def dedup_config(self) -> TaskConfig:
-        """This task's resolved options (task attributes over app settings), cached."""
+        """This task's resolved options (task attributes over app settings), cached.
+
+        Rebuilt when the app's ``dedup_*`` settings changed since.
+        """
         config = self._dedup_config
-        if config is None:
-            config = self._dedup_config = self.build_dedup_config()
+        if config is None or config.runtime.changed_since(self._dedup_generation):
+            with naming_task(self.name):
+                config = self._dedup_config = self.build_dedup_config()
+            self._dedup_generation = config.runtime.generation
         return config
 
     def build_dedup_config(self) -> TaskConfig:
@@ -180,16 +200,20 @@ class DedupTask(_Task):
         """
         runtime = runtime_for(self.app)
         settings = runtime.settings
-        unique_for = validate_unique_for(self.unique_for)
+
+        def attr(name: str) -> Any:
+            return None if name in self.dedup_not_options else getattr(self, name)
+
+        unique_for = validate_unique_for(attr("unique_for"))
         return TaskConfig(
             runtime=runtime,
             unique_for=unique_for if unique_for is not None else settings.default_ttl,
-            unique_until=_choice(UniqueUntil, self.unique_until, settings.default_unique_until),
-            identity=_choice(Identity, self.identity, settings.default_identity),
-            on_duplicate=_choice(OnDuplicate, self.on_duplicate, settings.default_on_duplicate),
-            deterministic_id=bool(self.deterministic_id),
-            key_callable=self.deduplication_key,
-            binder=ArgumentBinder(self.run, self.name, _validate_unique_on(self.unique_on, "")),
+            unique_until=_choice(UniqueUntil, attr("unique_until"), settings.default_unique_until),
+            identity=_choice(Identity, attr("identity"), settings.default_identity),
+            on_duplicate=_choice(OnDuplicate, attr("on_duplicate"), settings.default_on_duplicate),
+            deterministic_id=bool(attr("deterministic_id")),
+            key_callable=attr("deduplication_key"),
+            binder=ArgumentBinder(self.run, self.name, _validate_unique_on(attr("unique_on"), "")),
             default_queue=str(
                 getattr(self, "queue", None) or self.app.conf.task_default_queue or "celery"
             ),
@@ -246,17 +270,26 @@ class DedupTask(_Task):
         ``task_routes`` (routers may look at the arguments), then
         ``task_default_queue``.
         """
+        return self._route(options, args, kwargs)[0]
+
+    def _route(
+        self,
+        options: Mapping[str, Any],
+        args: Sequence[Any] | None,
+        kwargs: Mapping[str, Any] | None,
+    ) -> tuple[str, dict[str, Any] | None]:
+        """The routed queue's name, and the routed options when the routers ran."""
         queue = options.get("queue")
         if queue is not None:
-            return str(getattr(queue, "name", queue))
+            return str(getattr(queue, "name", queue)), None
         config = self.dedup_config()
         if not config.routed:
-            return config.default_queue
+            return config.default_queue, None
         router: Any = self.app.amqp.router
         routed = router.route(dict(options), self.name, tuple(args or ()), dict(kwargs or {}), self)
         target = routed.get("queue")
         name = getattr(target, "name", None) or routed.get("routing_key")
-        return str(name or config.default_queue)
+        return str(name or config.default_queue), routed
 
     # -- enqueue -----------------------------------------------------------
 
@@ -277,7 +310,7 @@ class DedupTask(_Task):
         ``unique_for`` (``None``/``0`` publishes with no lock at all),
         ``unique_until``, ``on_duplicate``, ``identity`` and ``deterministic_id``.
         """
-        given = pop_call_options(options)
+        given = pop_call_options(options, self.name)
         config = self.dedup_config()
 
         def publish(task_id: str, header: LockHeader) -> Any:
@@ -299,7 +332,10 @@ class DedupTask(_Task):
         if given.get("unique_for", ...) is None:
             return mark_result(publish(task_id or uuid(), NO_LOCK), None)
         call = config.resolve(given)
-        queue_name = self.routed_queue(options, args, kwargs)
+        queue_name, routed = self._route(options, args, kwargs)
+        if routed is not None:
+            # send_task would run the routers again (a router may not be pure).
+            options["router"] = _Routed(routed)
         key = self.dedup_key(args, kwargs, call, queue_name, options.get("serializer"))
         if key is None:
             return mark_result(publish(task_id or uuid(), NO_LOCK), None)
@@ -389,7 +425,7 @@ class DedupTask(_Task):
             raise
         if previous is not None:
             self._revoke_replaced(key, task_id, previous)
-        return mark_result(result, key)
+        return mark_result(result, key, owner)
 
     def _publish_unlocked(
         self,
@@ -538,6 +574,23 @@ class DedupTask(_Task):
         """Star-argument shortcut for ``apply_async``; may return a ``DeduplicatedResult``."""
         return self.apply_async(args, kwargs)
 
+    def delay_on_commit(self, *args: Any, **kwargs: Any) -> None:
+        """Django: ``delay`` once the current transaction commits (nothing on rollback).
+
+        As Celery's ``DjangoTask.delay_on_commit``: the lock is taken and the
+        message published only on commit, so a rolled-back request leaves
+        neither. Returns ``None`` (the call has not happened yet).
+        """
+        from django.db import transaction
+
+        transaction.on_commit(functools.partial(self.delay, *args, **kwargs))
+
+    def apply_async_on_commit(self, *args: Any, **kwargs: Any) -> None:
+        """Django: ``apply_async`` once the current transaction commits (nothing on rollback)."""
+        from django.db import transaction
+
+        transaction.on_commit(functools.partial(self.apply_async, *args, **kwargs))
+
     def _is_holder_republish(self, task_id: str | None, options: Mapping[str, Any]) -> bool:
         """A ``retry()`` or ``replace()`` from inside the holder's own execution."""
         if task_id is None or not (options.get("retries") or options.get("replaced_task_nesting")):
@@ -641,8 +694,10 @@ class DedupTask(_Task):
             worker.finish(self, held, worker.Outcome.IGNORED)
             raise
         except Reject as exc:
-            if not getattr(exc, "requeue", False):
-                worker.finish(self, held, worker.Outcome.REJECTED)
+            requeued = getattr(exc, "requeue", False)
+            worker.finish(
+                self, held, worker.Outcome.REQUEUED if requeued else worker.Outcome.REJECTED
+            )
             raise
         except Exception:
             worker.finish(self, held, worker.Outcome.FAILURE)
@@ -685,6 +740,17 @@ class DedupTask(_Task):
 
 def _choice(enum: Any, value: Any, default: Any) -> Any:
     return default if value is None else validate_choice(enum, value, "")
+
+
+class _Routed:
+    """A router that answers with a call's already resolved route."""
+
+    def __init__(self, routed: Mapping[str, Any]) -> None:
+        self.routed = routed
+
+    def route(self, options: Mapping[str, Any], *_: Any, **__: Any) -> dict[str, Any]:
+        # As Router.route merges a route: the call's own options win, unless None.
+        return {**self.routed, **{k: v for k, v in options.items() if v is not None}}
 
 
 def _takes_over_lock(task: DedupTask, sig: Any) -> bool:

@@ -12,6 +12,8 @@ nothing here shares a connection across a fork.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import threading
 import weakref
@@ -20,15 +22,18 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+from celery import states
 from celery.exceptions import Ignore
 from celery.signals import task_received, task_revoked
 from celery.worker.control import control_command
+from kombu.serialization import registry  # type: ignore[attr-defined]
 
 from .exceptions import StoreUnavailable
-from .header import HEADER, LockHeader, read_header
+from .header import HEADER, LockHeader, new_token, read_header
+from .identity import deterministic_task_id
 from .policy import UniqueUntil, lock_ttl
 from .signals import lock_acquired, lock_released, task_skipped
-from .stores.base import ClaimOutcome, LockStore
+from .stores.base import ClaimOutcome, Lock, LockStore
 
 if TYPE_CHECKING:
     from .task import DedupTask
@@ -48,10 +53,11 @@ logger = logging.getLogger("celery_dedup")
 #: Owner tokens of locks the worker took for messages without a header.
 GUARD_PREFIX = "guard:"
 
-# Requests the worker's main process has received, by task id. A hard time
-# limit calls on_failure in the main process, where task.request is empty;
-# this is how that call finds the message's header. Weak: no leak.
-_received: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+# Requests the worker's main process has received, by task id (several runs
+# share an id under deterministic ids). A hard time limit calls on_failure in
+# the main process, where task.request is empty; this is how that call finds
+# the running message's header. Weak: no leak.
+_received: dict[str, weakref.WeakSet[Any]] = {}
 
 # Owner tokens whose body started in this thread (eager calls only): an eager
 # publish that raises before its body ran releases the lock it took.
@@ -70,9 +76,13 @@ class Outcome(str, Enum):
     REJECTED = "rejected"
     #: revoked, expired or terminated by a revoke
     REVOKED = "revoked"
+    #: ``raise Reject(requeue=True)``: the message goes back to its queue
+    REQUEUED = "requeued"
 
     def releases(self, until: UniqueUntil) -> bool:
         """Whether a lock under ``until`` is released when a run ends like this."""
+        if self is Outcome.REQUEUED:
+            return False
         if self in (Outcome.SUCCESS, Outcome.IGNORED):
             return until.releases_on_success()
         if self in (Outcome.FAILURE, Outcome.REJECTED):
@@ -157,7 +167,8 @@ def republish_as_holder(
             header.unique_for, countdown=options.get("countdown"), eta=options.get("eta")
         )
         try:
-            if not store.extend(header.key, owner, ttl):
+            # Queued again: not started, so a revoke meanwhile releases at once.
+            if not store.settle(header.key, owner, ttl):
                 holder = store.acquire(
                     header.key, owner, ttl, meta_for(task, task_id, header.until)
                 )
@@ -178,7 +189,11 @@ def republish_as_holder(
 def _skip(
     task: DedupTask, task_id: str, key: str, holder_id: str | None, reason: str
 ) -> None:
-    """End the task without running its body: IGNORED, or REVOKED for a revoked owner."""
+    """End the task without running its body: IGNORED, or REVOKED for a revoked owner.
+
+    No state is written under a task id another run shares (a deterministic
+    id, or the holder's own id): it would overwrite that run's result.
+    """
     logger.info(
         "celery-dedup: skipping %s[%s] (lock %s: %s)", task.name, task_id, short(key), reason
     )
@@ -187,12 +202,11 @@ def _skip(
         sender=task, key=key, task_id=task_id, existing_task_id=holder_id, reason=reason
     )
     request = task.request
-    if not request.is_eager or task.app.conf.task_store_eager_result:
+    shared_id = task_id in (holder_id, deterministic_task_id(key))
+    if not shared_id and (not request.is_eager or task.app.conf.task_store_eager_result):
         if reason == "revoked":
             task.backend.mark_as_revoked(task_id, "revoked by celery-dedup", request=request)
         else:
-            from celery import states
-
             task.update_state(
                 task_id=task_id,
                 state=states.IGNORED,
@@ -202,32 +216,92 @@ def _skip(
 
 
 def guard_header(
-    task: DedupTask, task_id: str, args: Any, kwargs: Any, routing_key: Any
+    task: DedupTask,
+    task_id: str,
+    args: Any,
+    kwargs: Any,
+    queue: Any,
+    serializer: str | None = None,
 ) -> LockHeader | None:
     """The header the worker runs a message without one under (``send_task``).
 
     The guard is a throttle: its lock lives ``unique_for`` from the first
     unannounced copy whatever the task's ``unique_until``, so copies that
     do not overlap in time (two beat instances firing the same slot) still
-    run the work once. Its owner is derived from the task id, so a
-    redelivery of the same message owns the lock it took, and the main
-    process can release it.
+    run the work once. Its owner token is derived from the task id under a
+    secret kept in the store, so a redelivery of the same message owns the
+    lock it took and the main process can release it, while a message
+    forging a header cannot guess it.
     """
     config = task.dedup_config()
     call = config.resolve({})
     try:
-        key = task.dedup_key(args, kwargs, call, routing_key)
-    except (TypeError, ValueError) as exc:
+        key = task.dedup_key(args, kwargs, call, queue, serializer)
+        token = guard_token(task, task_id)
+    except (TypeError, ValueError, StoreUnavailable) as exc:
         logger.warning("celery-dedup: %s[%s] runs unguarded: %s", task.name, task_id, exc)
         return None
     if key is None:
         return None
     return LockHeader(
-        key=key,
-        until=UniqueUntil.EXPIRY,
-        unique_for=config.unique_for,
-        token=GUARD_PREFIX + task_id,
+        key=key, until=UniqueUntil.EXPIRY, unique_for=config.unique_for, token=token
     )
+
+
+def guard_header_of(task: DedupTask, request: Any) -> LockHeader | None:
+    """``guard_header`` of a received message: its queue and serializer as delivered."""
+    args = getattr(request, "args", None) or ()
+    kwargs = getattr(request, "kwargs", None) or {}
+    queue = delivered_queue(task, getattr(request, "delivery_info", None) or {}, args, kwargs)
+    content_type = getattr(request, "content_type", None)
+    serializer = registry.type_to_name.get(content_type) if content_type else None
+    return guard_header(task, str(request.id), args, kwargs, queue, serializer)
+
+
+def delivered_queue(
+    task: DedupTask, delivery_info: Mapping[str, Any], args: Any, kwargs: Any
+) -> str:
+    """The queue a message was routed to, from its exchange and routing key.
+
+    Under Celery's default direct routing the routing key is the queue
+    name; on a topic exchange it is not, so the queue is looked up among
+    the app's queues, and failing that the call is routed as a producer
+    would route it.
+    """
+    exchange = delivery_info.get("exchange") or ""
+    routing_key = delivery_info.get("routing_key")
+    for queue in task.app.amqp.queues.values():
+        if queue.routing_key == routing_key and (queue.exchange.name or "") == exchange:
+            return str(queue.name)
+    if not exchange and routing_key:
+        return str(routing_key)
+    return task.routed_queue({}, args, kwargs)
+
+
+#: The guard secret's record: outside the lock namespace, so never listed.
+_SECRET_SUFFIX = "-secret:guard"
+_SECRET_TTL = 10 * 365 * 24 * 3600.0
+_secrets: dict[int, str] = {}
+
+
+def guard_token(task: DedupTask, task_id: str) -> str:
+    """The owner token of the guard lock of ``task_id``: an HMAC under the store's secret."""
+    runtime = task.dedup_config().runtime
+    store = runtime.store
+    if store is None:
+        raise StoreUnavailable("no lock store", store="none")
+    secret = _secrets.get(id(store))
+    if secret is None:
+        mine = new_token()
+        holder = store.acquire(
+            runtime.settings.key_prefix + _SECRET_SUFFIX,
+            mine,
+            _SECRET_TTL,
+            {"task_name": "", "policy": UniqueUntil.EXPIRY.value, "task_id": ""},
+        )
+        secret = _secrets[id(store)] = mine if holder is None else holder.owner
+    digest = hmac.new(secret.encode(), task_id.encode(), hashlib.sha256).hexdigest()
+    return GUARD_PREFIX + digest[:32]
 
 
 def claim_at_start(task: DedupTask, task_id: str, args: Any, kwargs: Any) -> Held | None:
@@ -246,8 +320,8 @@ def claim_at_start(task: DedupTask, task_id: str, args: Any, kwargs: Any) -> Hel
     if header is None:
         if request.is_eager:
             return None  # task.apply() and eager canvas members: never went through a broker
-        routing_key = (request.delivery_info or {}).get("routing_key")
-        header = guard_header(task, task_id, args, kwargs, routing_key)
+        queue = delivered_queue(task, request.delivery_info or {}, args, kwargs)
+        header = guard_header(task, task_id, args, kwargs, queue)
         if header is None:
             return None
     if header.key is None:
@@ -275,6 +349,8 @@ def claim_at_start(task: DedupTask, task_id: str, args: Any, kwargs: Any) -> Hel
         # The message exists: running it unlocked loses nothing (fallback "open").
         logger.warning("celery-dedup: %s[%s] runs unchecked: %s", task.name, task_id, exc)
         return None
+    if header.replace and claim.outcome in (ClaimOutcome.REVOKED, ClaimOutcome.HELD):
+        _defer_to_pending_replacement(task, store, key, owner, claim.holder)
     if claim.outcome is ClaimOutcome.REVOKED:
         _skip(task, task_id, key, None, "revoked")
     if claim.outcome is ClaimOutcome.HELD:
@@ -297,6 +373,33 @@ def claim_at_start(task: DedupTask, task_id: str, args: Any, kwargs: Any) -> Hel
     return Held(store, header, key, owner, task_id)
 
 
+def _defer_to_pending_replacement(
+    task: DedupTask, store: LockStore, key: str, owner: str, holder: Lock | None
+) -> None:
+    """A replaced message whose replacement has not started yet waits for it.
+
+    The replacing call's publish may still fail, in which case it gives the
+    lock back to this message: skipping now would lose the work. So this
+    message is retried shortly (same owner token) until the replacement
+    starts (then it is skipped) or the lock comes back (then it runs).
+    """
+    try:
+        holder = holder or store.get(key)
+    except StoreUnavailable:
+        return
+    if holder is None or holder.owner == owner or holder.started:
+        return
+    retries = int(task.request.retries or 0)
+    logger.info(
+        "celery-dedup: %s[%s] waits for its replacement %s to start (lock %s)",
+        task.name,
+        task.request.id,
+        holder.task_id,
+        short(key),
+    )
+    raise task.retry(countdown=min(0.5 * 2**retries, 30.0), max_retries=retries + 1)
+
+
 def _remember_guard(request: Any, header: LockHeader) -> None:
     """Put the guard's header on the request so hooks of this run find it."""
     headers = request.headers
@@ -307,9 +410,27 @@ def _remember_guard(request: Any, header: LockHeader) -> None:
 
 
 def finish(task: DedupTask, held: Held, outcome: Outcome) -> None:
-    """Release what the run holds when its policy says so (before the result is stored)."""
-    if not held.handed_over and outcome.releases(held.header.until):
+    """Apply the policy when the run ends, before the result is stored.
+
+    Released when the policy says so; otherwise the kept lock is settled
+    (marked not started: nothing runs under it any more, so a revoke frees
+    it at once). A lock handed to a replacement is left to it.
+    """
+    if held.handed_over:
+        return
+    if outcome.releases(held.header.until):
         release(task, held.store, held.key, held.owner, held.task_id, outcome.value)
+        return
+    try:
+        held.store.settle(held.key, held.owner)
+    except StoreUnavailable as exc:
+        logger.warning(
+            "celery-dedup: could not settle lock %s of %s[%s]: %s",
+            short(held.key),
+            task.name,
+            held.task_id,
+            exc,
+        )
 
 
 def _eager_started() -> set[str]:
@@ -330,9 +451,16 @@ def eager_body_started(owner: str) -> bool:
 # -- the worker's main process ---------------------------------------------
 
 
+def _received_request(task_id: str) -> Any:
+    """The request of ``task_id`` this (main) process runs, or last received."""
+    requests = list(_received.get(task_id) or ())
+    running = [r for r in requests if getattr(r, "time_start", None)]
+    return (running or requests or [None])[-1]
+
+
 def header_from_main_process(task_id: str) -> LockHeader | None:
     """The header of a request this (main) process received, if it is still alive."""
-    request = _received.get(task_id)
+    request = _received_request(task_id)
     if request is None:
         return None
     return read_header(request.request_dict)
@@ -341,24 +469,40 @@ def header_from_main_process(task_id: str) -> LockHeader | None:
 def release_from_main_process(
     task: DedupTask, task_id: str, args: Any, kwargs: Any, outcome: Outcome
 ) -> None:
-    """A hard time limit: the pool child is gone; release per policy from here."""
-    request = _received.get(task_id)
-    header = header_from_main_process(task_id)
+    """A hard time limit: the pool child is gone; release per policy from here.
+
+    A guard lock (``send_task``) is released too: the run it throttled was killed.
+    """
+    request = _received_request(task_id)
+    header = None if request is None else read_header(request.request_dict)
     if header is None and request is not None:
-        routing_key = (request.delivery_info or {}).get("routing_key")
-        header = guard_header(task, task_id, args, kwargs, routing_key)
+        header = guard_header_of(task, request)
     store = task.dedup_config().runtime.store
     if header is None or header.key is None or store is None:
         return
-    if outcome.releases(header.until):
+    if outcome.releases(header.until) or _is_guard(header):
         release(task, store, header.key, header.owner(task_id), task_id, outcome.value)
+
+
+def _is_guard(header: LockHeader) -> bool:
+    return (header.token or "").startswith(GUARD_PREFIX)
 
 
 @task_received.connect(weak=False)
 def _remember_request(sender: Any = None, request: Any = None, **_: Any) -> None:
-    task = getattr(request, "task", None)
+    task: Any = getattr(request, "task", None)
     if request is not None and hasattr(task, "dedup_config"):
-        _received[request.id] = request
+        if len(_received) > 1000:
+            for task_id in [k for k, v in _received.items() if not v]:
+                del _received[task_id]
+        _received.setdefault(request.id, weakref.WeakSet()).add(request)
+        if read_header(request.request_dict) is None:
+            # A message without the header (send_task): its guard is computed
+            # here, where the message's routing and content type are known,
+            # and travels with the request to the pool child.
+            header = guard_header_of(task, request)
+            if header is not None:
+                request.request_dict[HEADER] = header.encode()
 
 
 @task_revoked.connect(weak=False)
@@ -371,9 +515,10 @@ def _release_revoked(
     raw: Mapping[str, Any] = request.headers or {}
     header = read_header(raw) or read_header({HEADER: getattr(request, HEADER, None)})
     if header is None:
-        routing_key = (getattr(request, "delivery_info", None) or {}).get("routing_key")
-        header = guard_header(sender, request.id, request.args, request.kwargs, routing_key)
-    if header is None or header.key is None or not header.until.releases_on_revoke():
+        header = guard_header_of(sender, request)
+    if header is None or header.key is None:
+        return
+    if not (header.until.releases_on_revoke() or _is_guard(header)):
         return
     store = sender.dedup_config().runtime.store
     if store is not None:
@@ -381,11 +526,17 @@ def _release_revoked(
         release(sender, store, header.key, header.owner(request.id), request.id, reason)
 
 
-def _request_token(request: Any) -> str:
+def _request_token(request: Any) -> str | None:
     header = read_header(getattr(request, "request_dict", None))
     if header is not None and header.token:
         return header.token
-    return GUARD_PREFIX + str(request.id)
+    task: Any = getattr(request, "task", None)
+    if not hasattr(task, "dedup_config"):
+        return None
+    try:
+        return guard_token(task, str(request.id))
+    except StoreUnavailable:
+        return None
 
 
 @control_command(

@@ -390,3 +390,127 @@ def test_retry_on_fifo_is_not_dropped_as_a_duplicate(
     finally:
         backend.flushdb()
         backend.close()
+
+
+# -- routed queues (task_routes, routers): native mode decides per routed queue --
+
+ROUTED_DB = 22
+
+
+def test_call_routed_to_fifo_from_a_standard_default_is_native(
+    make_app: Callable[..., Celery],
+    sqs_server: SQSServer,
+    memory_store: tuple[str, MemoryStore],
+) -> None:
+    """``task_routes`` sends the task to a FIFO queue, the default queue is standard: native."""
+    from celery_dedup import dedup_key_for
+
+    url, store = memory_store
+    fifo, plain = _name("routed") + ".fifo", _name("routed-default")
+    app = make_app(
+        dedup_store=url,
+        task_default_queue=plain,
+        task_routes={f"{__name__}.sync": {"queue": fifo}},
+    )
+
+    sync = sync_task(app)
+
+    first = sync.delay(7)
+    second = sync.delay(7)
+
+    key = first.deduplication_key
+    assert key is not None and key == dedup_key_for(sync, (7,))
+    assert key == dedup_key_for(sync, (7,), queue=fifo)
+    assert first.deduplicated is None and second.deduplicated is None
+    assert first.id == second.id == deterministic_task_id(key)
+    assert sqs_server.queue_length(fifo) == 1
+    assert sqs_server.queue_length(plain) == 0
+    (message,) = sqs_server.peek(fifo)
+    assert message["MessageDeduplicationId"] == _digest(key)
+    assert list(store.scan("")) == []
+
+
+def test_call_routed_to_standard_from_a_fifo_default_uses_the_store(
+    make_app: Callable[..., Celery],
+    sqs_server: SQSServer,
+    memory_store: tuple[str, MemoryStore],
+) -> None:
+    """The reverse: the default queue is FIFO, the route a standard queue: a store lock."""
+    from celery_dedup import dedup_key_for
+
+    url, store = memory_store
+    fifo, plain = _name("rev-default") + ".fifo", _name("rev-routed")
+    app = make_app(
+        dedup_store=url,
+        task_default_queue=fifo,
+        task_routes={f"{__name__}.sync": {"queue": plain}},
+    )
+
+    sync = sync_task(app)
+
+    first = sync.delay(8)
+    second = sync.delay(8)
+
+    assert first.deduplicated is False
+    assert second.deduplicated is True and second.id == first.id
+    assert first.deduplication_key == dedup_key_for(sync, (8,), queue=plain)
+    assert first.id != deterministic_task_id(first.deduplication_key)
+    assert sqs_server.queue_length(plain) == 1
+    assert sqs_server.queue_length(fifo) == 0
+    assert [(held.key, held.task_id) for held in store.scan("")] == [
+        (first.deduplication_key, first.id)
+    ]
+
+
+def test_router_by_argument_picks_native_per_call(
+    make_app: Callable[..., Celery],
+    sqs_server: SQSServer,
+    redis_server: RedisServer,
+    memory_store: tuple[str, MemoryStore],
+) -> None:
+    """A router sending even ids to a FIFO queue and odd ids to a standard one, with a worker:
+    each distinct call runs once; only the standard-queue call holds a store lock."""
+    url, store = memory_store
+    fifo, plain = _name("parity") + ".fifo", _name("parity-plain")
+    runs = redis_server.client(ROUTED_DB)
+    runs.flushdb()
+
+    def by_parity(name: str, args: Any, *_: Any, **__: Any) -> Any:
+        if name != f"{__name__}.sync":
+            return None
+        return {"queue": fifo if args[0] % 2 == 0 else plain}
+
+    app = make_app(
+        dedup_store=url,
+        task_default_queue=_name("parity-default"),
+        task_routes=(by_parity,),
+        result_backend=redis_server.url(ROUTED_DB),
+    )
+
+    @app.task(base=DedupTask, shared=False, unique_for=300, unique_until="expiry")
+    def sync(user_id: int) -> int:
+        runs.rpush("runs", user_id)
+        return user_id
+
+    try:
+        even = [sync.delay(2), sync.delay(2)]
+        odd = [sync.delay(3), sync.delay(3)]
+        assert [r.deduplicated for r in even] == [None, None]
+        assert [r.deduplicated for r in odd] == [False, True]
+        assert sqs_server.queue_length(fifo) == 1 and sqs_server.queue_length(plain) == 1
+        with start_worker(
+            app,
+            pool="solo",
+            queues=[fifo, plain],
+            perform_ping_check=False,
+            shutdown_timeout=30,
+            loglevel="WARNING",
+        ):
+            assert even[0].get(timeout=30) == 2
+            assert odd[0].get(timeout=30) == 3
+            _wait(lambda: sqs_server.queue_length(fifo) + sqs_server.queue_length(plain) == 0)
+        assert sorted(int(v) for v in runs.lrange("runs", 0, -1)) == [2, 3]
+        assert [held.task_id for held in store.scan("")] == [odd[0].id]
+    finally:
+        runs.flushdb()
+        runs.close()

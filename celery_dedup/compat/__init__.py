@@ -11,12 +11,43 @@ for the option mapping and every behaviour difference.
 
 from __future__ import annotations
 
+import logging
+import re
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
+
+from kombu.utils.url import maybe_sanitize_url
+
+from ..exceptions import ImproperlyConfigured
+from ..identity import caller_key_material, lock_key
+from ..options import validate_key
+from ..runtime import runtime_for
+from ..stores import derive_store_url
 
 if TYPE_CHECKING:
     from celery import Celery
 
-__all__ = ["adopt_setting"]
+    from ..task import DedupTask
+
+__all__ = [
+    "adopt_setting",
+    "class_path",
+    "native_key",
+    "require_store",
+    "store_in_use",
+    "store_key",
+    "warn_once",
+]
+
+logger = logging.getLogger("celery_dedup")
+
+E_NO_STORE = (
+    "{task} ({library} shim) has no lock store: the shims never publish without one. "
+    "Set dedup_store (redis://…, db+…) or {hint}."
+)
+
+#: Lock-key digests: the last segment of every key celery-dedup writes.
+_DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
 def adopt_setting(app: Celery, name: str, value: Any) -> bool:
@@ -30,3 +61,64 @@ def adopt_setting(app: Celery, name: str, value: Any) -> bool:
         return False
     app.conf[name] = value
     return True
+
+
+def class_path(value: Any) -> str:
+    """``module.QualName`` of a class, or the string itself (a backend setting)."""
+    if isinstance(value, type):
+        return f"{value.__module__}.{value.__qualname__}"
+    return str(value)
+
+
+def store_in_use(app: Celery) -> str:
+    """The (sanitised) URL of the store ``app``'s shim tasks lock in, for messages."""
+    url = derive_store_url(app)
+    return maybe_sanitize_url(url) if url else "no lock store (shim tasks refuse to publish)"
+
+
+def warn_once(app: Celery, message: str) -> None:
+    """Log ``message`` as a warning, once per app."""
+    warned: set[str] = app.__dict__.setdefault("_celery_dedup_compat_warned", set())
+    if message not in warned:
+        warned.add(message)
+        logger.warning("celery-dedup: %s", message)
+
+
+def require_store(task: DedupTask, library: str, hint: str) -> None:
+    """Raise ``ImproperlyConfigured`` when ``task``'s app has no lock store.
+
+    The libraries fail without their lock server; a shim task does the same
+    at its first call instead of publishing without deduplication.
+    """
+    if task.dedup_config().runtime.store is None:
+        raise ImproperlyConfigured(E_NO_STORE.format(task=task.name, library=library, hint=hint))
+
+
+def native_key(
+    task: DedupTask, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None
+) -> str | None:
+    """The key celery-dedup gives ``task.delay(*args, **kwargs)``.
+
+    Calls ``DedupTask.dedup_key`` itself, so a shim's override of
+    ``dedup_key`` (which may call the upstream key hook) is skipped.
+    """
+    from ..task import DedupTask
+
+    call = task.dedup_config().resolve({})
+    return DedupTask.dedup_key(task, args, kwargs, call, task.routed_queue({}, args, kwargs))
+
+
+def store_key(app: Celery, namespace: str, value: Any, hook: str) -> str:
+    """The store key for a key string made by an upstream hook (``get_key``, ``generate_lock``).
+
+    A key celery-dedup made is used as is; any other string is hashed under
+    ``namespace``, so equal strings share one lock whichever task made them,
+    as they did in the library.
+    """
+    key = validate_key(value, hook)
+    assert key is not None
+    prefix = runtime_for(app).settings.key_prefix
+    head, _, digest = key.rpartition(":")
+    if head.startswith(prefix + ":") and _DIGEST.fullmatch(digest):
+        return key
+    return lock_key(prefix, namespace, caller_key_material(key))
