@@ -5,44 +5,60 @@ app given to ``celery -A``::
 
     celery -A proj dedup list [--task NAME] [--json]
     celery -A proj dedup show KEY_OR_TASK_ID [--json]
-    celery -A proj dedup release KEY [--force]
-    celery -A proj dedup purge [--task NAME] [--expired] [--force]
+    celery -A proj dedup release KEY [--force] [--dry-run]
+    celery -A proj dedup purge [--task NAME] [--force [--yes]] [--dry-run]
+    celery -A proj dedup reap [--task NAME] [--dry-run]
     celery -A proj dedup stats [--json]
-    celery -A proj dedup reap [--task NAME]
 
 ``KEY`` is a full store key or a unique prefix of its digest (the
-``DIGEST`` column of ``list``). Every release is a compare-and-delete on
-the holder ``list``/``show`` reported, so a lock taken by a new task in the
-meantime is never deleted.
+``DIGEST`` column of ``list``). No command frees a lock its policy still
+needs unless told to with ``--force``: a lock is *needed* while its holder
+has not finished (a release would let the same call be published and run
+twice), and after it finished when ``unique_until`` keeps it (``expiry``
+throttles and idempotency windows, ``success`` after a failure). Every
+release is a compare-and-delete on the holder's owner token, so a lock
+taken by a new task in the meantime is never deleted.
+
+The same operations back ``manage.py dedup_locks`` (``Operator``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any
 
 import click
 from celery import states
 from celery.bin.base import CeleryCommand, CeleryOption
-from celery.result import AsyncResult
 from kombu.utils.json import dumps
 
 from .api import release as release_lock
 from .exceptions import ScanNotSupported, StoreUnavailable
+from .identity import deterministic_task_id
 from .metrics import EVENTS, live_locks
 from .reaper import reap as reap_locks
+from .reaper import should_release
 from .runtime import Runtime, runtime_for
 from .stores.base import Lock, LockStore
 from .worker import short
 
 __all__ = [
     "FINISHED_STATES",
+    "RUNNING_STATES",
+    "Assessment",
+    "CommandFailed",
+    "Operator",
+    "assess",
     "dedup",
+    "duration",
     "holder_state",
-    "is_running",
     "list_lines",
     "lock_dict",
     "render_table",
+    "when",
 ]
 
 #: result-backend states that mean "the holder is running"
@@ -51,87 +67,165 @@ RUNNING_STATES = frozenset({states.STARTED, states.RETRY})
 #: result-backend states that mean "the holder has finished"
 FINISHED_STATES = frozenset({*states.READY_STATES, states.IGNORED})
 
-#: seconds ``release`` waits for workers to say whether they run the holder
-INSPECT_TIMEOUT = 1.0
+_DRY = "(dry run) "
+
+logger = logging.getLogger("celery_dedup")
 
 
-class _Context:
-    """What every subcommand needs: the app's runtime and its store."""
-
-    def __init__(self, ctx: click.Context) -> None:
-        self.obj = ctx.obj
-        self.app = ctx.obj.app
-        # Under Django this runs django.setup() (DjangoFixup), which the
-        # Django stores need before touching the ORM; as ``celery report`` does.
-        self.app.loader.import_default_modules()
-        self.runtime: Runtime = runtime_for(self.app)
-        store = self.runtime.store
-        if store is None:
-            raise click.ClickException(
-                "this app has no celery-dedup lock store (set dedup_store, or use a "
-                "Redis/SQL result backend)"
-            )
-        self.store: LockStore = store
-        self.prefix = self.runtime.settings.key_prefix
-
-    def scan(self, task: str | None = None) -> list[Lock]:
-        """Every live lock of the app (of ``task`` only, when given), by task then key."""
-        prefix = f"{self.prefix}:{task}:" if task else f"{self.prefix}:"
-        try:
-            locks = [lock for lock in self.store.scan(prefix) if not task or lock.task_name == task]
-        except (StoreUnavailable, ScanNotSupported) as exc:
-            raise click.ClickException(str(exc)) from exc
-        return sorted(locks, key=lambda lock: (lock.task_name, lock.key))
-
-    def find(self, key_or_id: str, *, by_owner: bool = False) -> Lock:
-        """The lock at a full key, a unique digest prefix or (``by_owner``) held by a task id."""
-        try:
-            if key_or_id.startswith(self.prefix + ":"):
-                found = self.store.get(key_or_id)
-                if found is None:
-                    raise click.ClickException(f"no live lock at {key_or_id}")
-                return found
-        except StoreUnavailable as exc:
-            raise click.ClickException(str(exc)) from exc
-        locks = self.scan()
-        matches = [lock for lock in locks if _digest(lock.key).startswith(key_or_id.lower())]
-        if not matches and by_owner:
-            matches = [lock for lock in locks if lock.task_id == key_or_id]
-        if not matches:
-            what = "key, digest or holder task id" if by_owner else "key or digest"
-            raise click.ClickException(f"no live lock matches the {what} {key_or_id!r}")
-        if len(matches) > 1:
-            raise click.ClickException(
-                f"{key_or_id!r} matches {len(matches)} locks; give more of the digest"
-            )
-        return matches[0]
+class CommandFailed(Exception):
+    """An operator error: printed as is, exit status 1."""
 
 
-def _digest(key: str) -> str:
-    return key.rsplit(":", 1)[-1]
+# -- formatting ---------------------------------------------------------------
 
 
-def lock_dict(lock: Lock, state: str | None = None) -> dict[str, Any]:
-    data: dict[str, Any] = {
-        "key": lock.key,
-        "digest": _digest(lock.key),
-        "task": lock.task_name,
-        "holder": lock.task_id,
-        "policy": lock.policy,
-        "acquired_at": lock.acquired_at,
-        "expires_at": lock.expires_at,
-        "seconds_left": round(lock.ttl, 1),
-    }
-    if state is not None:
-        data["holder_state"] = state
-    return data
+def when(timestamp: float) -> str:
+    """Epoch seconds as ``2026-11-22 14:05:03 UTC``."""
+    moment = datetime.fromtimestamp(timestamp, tz=timezone.utc)
+    return moment.strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def duration(seconds: float) -> str:
+    """Seconds as ``1d 3h``, ``2h 5m``, ``4m 10s``."""
+    seconds = round(seconds)
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    parts = [f"{days}d"] if days else []
+    if hours or days:
+        parts.append(f"{hours}h")
+    if not days:
+        parts.append(f"{minutes}m")
+    if not days and not hours:
+        parts.append(f"{secs}s")
+    return " ".join(parts)
+
+
+def _plural(n: int, word: str = "lock") -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def render_table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> Iterable[str]:
+    """Left-aligned columns separated by two spaces."""
     widths = [max(len(cell) for cell in column) for column in zip(header, *rows, strict=True)]
     for row in (header, *rows):
         cells = (cell.ljust(width) for cell, width in zip(row, widths, strict=True))
         yield "  ".join(cells).rstrip()
+
+
+# -- what a lock's holder is doing, and whether the lock is still needed ------
+
+
+def _holder_meta(app: Any, task_id: str) -> tuple[str, Any]:
+    """``(state, date_done)`` of ``task_id`` from the result backend, in one read."""
+    try:
+        meta = app.backend.get_task_meta(task_id)
+    except Exception:  # a disabled or unreachable result backend
+        return "UNKNOWN", None
+    return str(meta.get("status") or states.PENDING), meta.get("date_done")
+
+
+def holder_state(app: Any, task_id: str) -> str:
+    """The holder's state as the result backend reports it (``UNKNOWN`` without one)."""
+    return _holder_meta(app, task_id)[0]
+
+
+def _written_after(done: Any, lock: Lock) -> bool:
+    """Whether a result stored at ``done`` belongs to the run holding ``lock``.
+
+    A result belongs to a task id, not a run: an older run of a reused id
+    (``deterministic_id``) must not pass for this one, so (as the reaper
+    does) deterministic ids never count, others only for a newer result.
+    """
+    if lock.task_id == deterministic_task_id(lock.key):
+        return False
+    if isinstance(done, str):
+        done = datetime.fromisoformat(done)
+    if not isinstance(done, datetime):
+        return False
+    if done.tzinfo is None:
+        done = done.replace(tzinfo=timezone.utc)
+    return bool(done.timestamp() >= lock.acquired_at)
+
+
+@dataclass(frozen=True)
+class Assessment:
+    """A lock, what its holder is doing, and whether its policy still needs the lock."""
+
+    lock: Lock
+    #: the result backend's state of the holder (``UNKNOWN`` without a backend)
+    state: str
+    #: ``"not started"``, ``"running"`` or ``"finished"``
+    phase: str
+    #: whether releasing it could let the same work run twice
+    needed: bool
+    #: one sentence saying why (shown when a release is refused)
+    why: str
+
+    @property
+    def holder(self) -> str:
+        """``task.name[task id]``."""
+        return f"{self.lock.task_name}[{self.lock.task_id}]"
+
+
+def assess(app: Any, lock: Lock) -> Assessment:
+    """Whether ``lock`` is still needed, from its ``started`` flag and the result backend.
+
+    - finished (a result stored after the lock was taken): needed unless
+      ``unique_until`` releases on that state (``success``/``finish`` after
+      SUCCESS, ``finish`` after FAILURE, all but ``expiry`` after REVOKED)
+      and the lock is marked started (the release of a run that ended was
+      lost): the reaper's rule;
+    - running (the lock is marked started, or the backend says STARTED/RETRY):
+      needed;
+    - not started (queued, scheduled, or its message was lost): needed, since
+      a queued message still runs after its lock was released.
+    """
+    state, done = _holder_meta(app, lock.task_id)
+    left = duration(lock.ttl)
+    finished = state in FINISHED_STATES and _written_after(done, lock)
+    releases = finished and should_release(lock, state)
+    if releases and lock.started:
+        why = (f"its holder ended {state} and unique_until={lock.policy!r} releases "
+               "on that: nothing needs this lock")
+        return Assessment(lock, state, "finished", False, why)
+    if finished and not releases:
+        why = (f"its holder ended {state}, and unique_until={lock.policy!r} keeps the lock "
+               f"until it expires in {left} (a throttle or idempotency window): releasing it "
+               "lets the same call run again")
+        return Assessment(lock, state, "finished", True, why)
+    if lock.started or state in RUNNING_STATES:
+        why = (f"its holder is running ({state}): releasing it lets the same call be "
+               "published and run while this one still runs")
+        return Assessment(lock, state, "running", True, why)
+    # Not started: any result under its id is another run's (the reaper's rule too).
+    why = (f"its holder has not started ({state}: queued, scheduled, or its message was "
+           "lost): releasing it lets the same call be published again, and both may run")
+    return Assessment(lock, state, "not started", True, why)
+
+
+# -- output ---------------------------------------------------------------------
+
+
+def lock_dict(lock: Lock, found: Assessment | None = None) -> dict[str, Any]:
+    """A lock as ``--json`` prints it (times as epoch seconds and ISO 8601 UTC)."""
+    data: dict[str, Any] = {
+        "key": lock.key,
+        "digest": lock.key.rsplit(":", 1)[-1],
+        "task": lock.task_name,
+        "holder": lock.task_id,
+        "policy": lock.policy,
+        "started": lock.started,
+        "acquired_at": lock.acquired_at,
+        "acquired": datetime.fromtimestamp(lock.acquired_at, tz=timezone.utc).isoformat(),
+        "expires_at": lock.expires_at,
+        "expires": datetime.fromtimestamp(lock.expires_at, tz=timezone.utc).isoformat(),
+        "seconds_left": round(lock.ttl, 1),
+    }
+    if found is not None:
+        data.update(holder_state=found.state, phase=found.phase, needed=found.needed,
+                    why=found.why)
+    return data
 
 
 def list_lines(locks: Sequence[Lock]) -> Iterable[str]:
@@ -140,182 +234,370 @@ def list_lines(locks: Sequence[Lock]) -> Iterable[str]:
         yield "No live locks."
         return
     rows = [
-        (short(lock.key), lock.task_name, lock.task_id, lock.policy, f"{lock.ttl:.0f}")
+        (short(lock.key), lock.task_name, lock.task_id, lock.policy,
+         "yes" if lock.started else "no", duration(lock.ttl))
         for lock in locks
     ]
-    yield from render_table(rows, ("DIGEST", "TASK", "HOLDER", "POLICY", "SECONDS LEFT"))
-    yield f"{len(locks)} live lock{'s' if len(locks) != 1 else ''}."
+    yield from render_table(rows, ("DIGEST", "TASK", "HOLDER", "POLICY", "STARTED", "EXPIRES IN"))
+    yield f"{_plural(len(locks), 'live lock')}."
 
 
-def holder_state(app: Any, task_id: str) -> str:
-    """The holder's state as the result backend reports it (``UNKNOWN`` without one)."""
-    try:
-        return str(AsyncResult(task_id, app=app).state)
-    except Exception:  # a disabled or unreachable result backend
-        return "UNKNOWN"
+def _show_lines(found: Assessment) -> Iterable[str]:
+    lock = found.lock
+    fields = [
+        ("key", lock.key),
+        ("task", lock.task_name),
+        ("holder", lock.task_id),
+        ("holder state", f"{found.state} ({found.phase})"),
+        ("policy", lock.policy),
+        ("acquired", when(lock.acquired_at)),
+        ("expires", f"{when(lock.expires_at)} (in {duration(lock.ttl)})"),
+        ("needed", f"{'yes' if found.needed else 'no'}: {found.why}"),
+    ]
+    for name, value in fields:
+        yield f"{name + ':':<14}{value}"
 
 
-def is_running(app: Any, task_id: str, state: str | None = None) -> tuple[bool, str]:
-    """Whether the holder ``task_id`` is running now, and the state that says so.
+# -- the operations (shared by ``celery dedup`` and ``manage.py dedup_locks``) ----
 
-    The rule: the result backend reports ``STARTED`` (needs
-    ``task_track_started``) or ``RETRY``; or, unless the backend already
-    reports it finished, a worker answers within ``INSPECT_TIMEOUT`` seconds
-    that it is executing it (``inspect query_task``: ``active``).
+
+class Operator:
+    """The lock operations of one app, printing through ``echo``.
+
+    ``confirm(question)`` asks the operator and returns the answer. Errors
+    raise ``CommandFailed`` with the message to print.
     """
-    state = state or holder_state(app, task_id)
-    if state in RUNNING_STATES:
-        return True, state
-    if state in FINISHED_STATES:
-        return False, state
+
+    def __init__(
+        self,
+        app: Any,
+        echo: Callable[[str], None],
+        confirm: Callable[[str], bool],
+        *,
+        ok: str = "OK",
+    ) -> None:
+        self.app = app
+        self.echo = echo
+        self.confirm = confirm
+        self.ok = ok
+        self.runtime: Runtime = runtime_for(app)
+        store = self.runtime.store
+        if store is None:
+            raise CommandFailed(
+                "this app has no celery-dedup lock store (set dedup_store, or use a "
+                "Redis, SQL or django-db result backend)"
+            )
+        self.store: LockStore = store
+        self.prefix = self.runtime.settings.key_prefix
+
+    # -- finding locks -----------------------------------------------------
+
+    def scan(self, task: str | None = None) -> list[Lock]:
+        """Every live lock of the app (of ``task`` only, when given), by task then key."""
+        prefix = f"{self.prefix}:{task}:" if task else f"{self.prefix}:"
+        try:
+            locks = [lock for lock in self.store.scan(prefix) if not task or lock.task_name == task]
+        except (StoreUnavailable, ScanNotSupported) as exc:
+            raise CommandFailed(str(exc)) from exc
+        return sorted(locks, key=lambda lock: (lock.task_name, lock.key))
+
+    def find(self, key_or_id: str, *, by_holder: bool = False) -> Lock:
+        """The lock at a full key or a unique digest prefix; or (``by_holder``) its holder's id.
+
+        A holder task id may be given in full or as a unique prefix.
+        """
+        if key_or_id.startswith(self.prefix + ":"):
+            try:
+                found = self.store.get(key_or_id)
+            except StoreUnavailable as exc:
+                raise CommandFailed(str(exc)) from exc
+            if found is None:
+                raise CommandFailed(f"no live lock at {key_or_id}")
+            return found
+        locks = self.scan()
+        wanted = key_or_id.lower()
+        matches = [lock for lock in locks if lock.key.rsplit(":", 1)[-1].startswith(wanted)]
+        if not matches and by_holder:
+            matches = [lock for lock in locks if lock.task_id.lower().startswith(wanted)]
+        if not matches:
+            what = "key, digest or holder task id" if by_holder else "key or digest"
+            raise CommandFailed(f"no live lock matches the {what} {key_or_id!r}")
+        if len(matches) > 1:
+            raise CommandFailed(
+                f"{key_or_id!r} matches {len(matches)} locks; give more of it"
+            )
+        return matches[0]
+
+    def _memory_note(self) -> None:
+        if self.store.name == "memory":
+            self.echo("(memory:// store: only the locks of this very process are listed)")
+
+    # -- commands ----------------------------------------------------------
+
+    def list(self, task: str | None = None, as_json: bool = False) -> None:
+        """Print the live locks as a table (or JSON)."""
+        locks = self.scan(task)
+        if as_json:
+            self.echo(dumps([lock_dict(lock) for lock in locks]))
+            return
+        for line in list_lines(locks):
+            self.echo(line)
+        self._memory_note()
+
+    def show(self, key_or_task_id: str, as_json: bool = False) -> None:
+        """Print one lock, its holder's state and whether it is still needed."""
+        found = assess(self.app, self.find(key_or_task_id, by_holder=True))
+        if as_json:
+            self.echo(dumps(lock_dict(found.lock, found)))
+            return
+        for line in _show_lines(found):
+            self.echo(line)
+
+    def release(self, key: str, *, force: bool = False, dry_run: bool = False) -> None:
+        """Release one lock; a lock its policy still needs only with ``force``."""
+        found = assess(self.app, self.find(key))
+        digest = short(found.lock.key)
+        if found.needed and not force:
+            raise CommandFailed(
+                f"lock {digest} of {found.holder} is still needed: {found.why}. "
+                "Pass --force to release it anyway."
+            )
+        if dry_run:
+            self.echo(f"{_DRY}would release {digest} held by {found.holder} ({found.phase})")
+            return
+        if self._release(found, forced=found.needed):
+            self.echo(f"{self.ok} released {digest} held by {found.holder} ({found.phase})")
+        else:
+            raise CommandFailed(f"lock {digest} was already gone or taken by another task")
+
+    def purge(
+        self,
+        task: str | None = None,
+        *,
+        force: bool = False,
+        yes: bool = False,
+        dry_run: bool = False,
+    ) -> None:
+        """Release the locks nobody needs any more; with ``force`` every selected lock."""
+        found = [assess(self.app, lock) for lock in self.scan(task)]
+        scope = f" of {task}" if task else ""
+        if not found:
+            self.echo(f"No locks{scope} to purge.")
+            return
+        needed = [f for f in found if f.needed]
+        chosen = found if force else [f for f in found if not f.needed]
+        if needed and not force:
+            self.echo(f"Keeping {_plural(len(needed))}{scope} still needed "
+                      "(--force releases them too):")
+            for item in needed:
+                self.echo(f"  {short(item.lock.key)}  {item.holder}: {item.why}")
+        if not chosen:
+            self.echo(f"No locks{scope} to purge.")
+            return
+        if dry_run:
+            for item in chosen:
+                self.echo(f"{_DRY}would release {short(item.lock.key)} held by {item.holder} "
+                          f"({item.phase}{', needed' if item.needed else ''})")
+            self.echo(f"{_DRY}{_plural(len(chosen))}{scope} would be released.")
+            return
+        if force and needed and not yes and not self.confirm(
+            f"This releases {_plural(len(needed))}{scope} still needed: the same calls can "
+            "then be published and run again. Are you sure?"
+        ):
+            raise CommandFailed("purge cancelled; nothing was released")
+        released = sum(self._release(item, forced=item.needed) for item in chosen)
+        self.echo(f"{self.ok} released {released} of {_plural(len(chosen))}{scope}.")
+
+    def reap(self, task: str | None = None, *, dry_run: bool = False) -> None:
+        """Release the locks of holders that finished in a state their policy releases on."""
+        if dry_run:
+            stale = [f for f in (assess(self.app, lock) for lock in self.scan(task))
+                     if not f.needed]
+            for item in stale:
+                self.echo(f"{_DRY}would reap {short(item.lock.key)} held by {item.holder} "
+                          f"({item.state})")
+            self.echo(f"{_DRY}{_plural(len(stale))} would be reaped.")
+            return
+        try:
+            reaped = reap_locks(self.app, task_name=task)
+        except StoreUnavailable as exc:
+            raise CommandFailed(str(exc)) from exc
+        for lock in reaped:
+            holder = f"{lock.task_name}[{lock.task_id}]"
+            self.echo(f"{self.ok} reaped {short(lock.key)} held by {holder}")
+        self.echo(f"{_plural(len(reaped))} reaped.")
+
+    def stats(self, as_json: bool = False) -> None:
+        """Per-task counters every process flushed to the store, and live locks."""
+        try:
+            counts = self.runtime.metrics.read()
+        except TypeError as exc:
+            raise CommandFailed(f"{exc}: no counters to show") from exc
+        except StoreUnavailable as exc:
+            raise CommandFailed(str(exc)) from exc
+        live = live_locks(self.scan())
+        tasks = sorted({name for name, _ in counts} | set(live))
+        table = {
+            name: {**{event: counts.get((name, event), 0) for event in EVENTS},
+                   "live_locks": live.get(name, 0)}
+            for name in tasks
+        }
+        if as_json:
+            self.echo(dumps(table))
+            return
+        if not table:
+            self.echo("No counters yet.")
+            return
+        header = ("TASK", *(event.upper() for event in EVENTS), "LIVE_LOCKS")
+        rows = [(name, *(str(value) for value in row.values())) for name, row in table.items()]
+        for line in render_table(rows, header):
+            self.echo(line)
+        self._memory_note()
+
+    # -- helpers -----------------------------------------------------------
+
+    def _release(self, found: Assessment, *, forced: bool) -> bool:
+        """Owner-checked release of the holder that was assessed."""
+        lock = found.lock
+        released = release_lock(lock.key, owner=lock.owner, app=self.app)
+        if released and forced:
+            logger.warning(
+                "celery-dedup: lock %s of %s released by hand although still needed (%s)",
+                short(lock.key), found.holder, found.phase,
+            )
+        return released
+
+
+# -- the click commands -----------------------------------------------------------
+
+_GROUP = "Dedup Options"
+
+
+def _operator(ctx: click.Context) -> Operator:
+    obj = ctx.obj
+    # Under Django this runs django.setup() (DjangoFixup), which the Django
+    # stores need before touching the ORM; as ``celery report`` does.
+    obj.app.loader.import_default_modules()
     try:
-        replies = app.control.inspect(timeout=INSPECT_TIMEOUT).query_task(task_id) or {}
-    except Exception:  # no broker: cannot tell, the backend state stands
-        return False, state
-    for reply in replies.values():
-        found = reply.get(task_id) if isinstance(reply, dict) else None
-        if found and found[0] == "active":
-            return True, "ACTIVE"
-    return False, state
+        return Operator(obj.app, obj.echo, lambda q: click.confirm(q, default=False),
+                        ok=obj.OK)
+    except CommandFailed as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+def _run(ctx: click.Context, action: Callable[[Operator], None]) -> None:
+    try:
+        action(_operator(ctx))
+    except CommandFailed as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+_task_option = click.option("--task", "task", cls=CeleryOption, help_group=_GROUP,
+                            metavar="NAME", help="Only the locks of this task name.")
+_json_option = click.option("--json", "as_json", cls=CeleryOption, is_flag=True,
+                            help_group=_GROUP, help="Print JSON.")
+_dry_run_option = click.option("--dry-run", "dry_run", cls=CeleryOption, is_flag=True,
+                               help_group=_GROUP, help="Only print what would be released.")
 
 
 @click.group(name="dedup")
 @click.pass_context
 def dedup(ctx: click.Context) -> None:
-    """Inspect and manage celery-dedup locks."""
+    """Inspect and manage celery-dedup locks.
+
+    KEY is a full lock key or a unique prefix of its digest (the DIGEST
+    column of `list`). No command releases a lock its policy still needs
+    (holder not finished, or an `expiry`/idempotency window) without --force.
+    """
 
 
 @dedup.command(name="list", cls=CeleryCommand)
-@click.option("--task", "task", cls=CeleryOption, help_group="Dedup Options",
-              help="Only the locks of this task name.")
-@click.option("--json", "as_json", cls=CeleryOption, is_flag=True, help_group="Dedup Options",
-              help="Use json as output format.")
+@_task_option
+@_json_option
 @click.pass_context
 def list_(ctx: click.Context, /, task: str | None, as_json: bool, **kwargs: Any) -> None:
-    """List the live locks: digest, task, holder id, policy, seconds left."""
-    c = _Context(ctx)
-    locks = c.scan(task)
-    if as_json:
-        c.obj.echo(dumps([lock_dict(lock) for lock in locks]))
-        return
-    for line in list_lines(locks):
-        c.obj.echo(line)
+    """List the live locks.
+
+    Columns: key digest, task, holder task id, unique_until policy, whether
+    the holder started, time left.
+    """
+    _run(ctx, lambda op: op.list(task, as_json))
 
 
 @dedup.command(cls=CeleryCommand)
-@click.argument("key_or_task_id")
-@click.option("--json", "as_json", cls=CeleryOption, is_flag=True, help_group="Dedup Options",
-              help="Use json as output format.")
+@click.argument("key_or_task_id", metavar="KEY_OR_TASK_ID")
+@_json_option
 @click.pass_context
 def show(ctx: click.Context, /, key_or_task_id: str, as_json: bool, **kwargs: Any) -> None:
-    """Show one lock, by key, digest prefix or holder task id."""
-    c = _Context(ctx)
-    lock = c.find(key_or_task_id, by_owner=True)
-    data = lock_dict(lock, holder_state(c.app, lock.task_id))
-    if as_json:
-        c.obj.echo(dumps(data))
-        return
-    for name, value in data.items():
-        c.obj.echo(f"{name + ':':<14}{value}")
+    """Show one lock and whether it is needed.
+
+    KEY_OR_TASK_ID is a key, a digest prefix, or the holder's task id (or a
+    unique prefix of it).
+    """
+    _run(ctx, lambda op: op.show(key_or_task_id, as_json))
 
 
 @dedup.command(cls=CeleryCommand)
-@click.argument("key")
-@click.option("-f", "--force", cls=CeleryOption, is_flag=True, help_group="Dedup Options",
-              help="Release even if the holder is running.")
+@click.argument("key", metavar="KEY")
+@click.option("-f", "--force", cls=CeleryOption, is_flag=True, help_group=_GROUP,
+              help="Release even a lock its policy still needs.")
+@_dry_run_option
 @click.pass_context
-def release(ctx: click.Context, /, key: str, force: bool, **kwargs: Any) -> None:
-    """Release one lock (a running holder's lock needs --force)."""
-    c = _Context(ctx)
-    lock = c.find(key)
-    running, state = is_running(c.app, lock.task_id)
-    if running and not force:
-        raise click.ClickException(
-            f"lock {short(lock.key)} is held by {lock.task_name}[{lock.task_id}], which is "
-            f"running ({state}); pass --force to release it anyway"
-        )
-    if release_lock(lock.key, owner=lock.owner, app=c.app):
-        c.obj.echo(f"{c.obj.OK} released {short(lock.key)} held by "
-                   f"{lock.task_name}[{lock.task_id}] ({state})")
-    else:
-        c.obj.echo(f"lock {short(lock.key)} was already gone or taken by another task")
+def release(ctx: click.Context, /, key: str, force: bool, dry_run: bool, **kwargs: Any) -> None:
+    """Release one lock (owner-checked).
+
+    A lock still needed (holder not finished, or kept by unique_until after
+    it finished) is refused with the reason, unless --force.
+    """
+    _run(ctx, lambda op: op.release(key, force=force, dry_run=dry_run))
 
 
 @dedup.command(cls=CeleryCommand)
-@click.option("--task", "task", cls=CeleryOption, help_group="Dedup Options",
-              help="Only the locks of this task name.")
-@click.option("--expired", cls=CeleryOption, is_flag=True, help_group="Dedup Options",
-              help="Only locks whose holder already finished (per the result backend).")
-@click.option("-f", "--force", cls=CeleryOption, is_flag=True, help_group="Dedup Options",
-              help="Don't prompt for confirmation.")
+@_task_option
+@click.option("-f", "--force", cls=CeleryOption, is_flag=True, help_group=_GROUP,
+              help="Also release locks still needed (asks first).")
+@click.option("-y", "--yes", cls=CeleryOption, is_flag=True, help_group=_GROUP,
+              help="Don't ask before --force releases needed locks.")
+@click.option("--expired", cls=CeleryOption, is_flag=True, hidden=True,
+              help="Deprecated: purge releases only unneeded locks by default.")
+@_dry_run_option
 @click.pass_context
 def purge(
-    ctx: click.Context, /, task: str | None, expired: bool, force: bool, **kwargs: Any
+    ctx: click.Context, /, task: str | None, force: bool, yes: bool, expired: bool,
+    dry_run: bool, **kwargs: Any,
 ) -> None:
-    """Release many locks: every lock, or one task's, or those of finished holders."""
-    c = _Context(ctx)
-    locks = c.scan(task)
+    """Release the locks no longer needed.
+
+    Releases the locks whose holder finished in a state its unique_until
+    releases on, and lists the others with the reason they are kept.
+    --force releases those too, after asking (--yes skips the question).
+    """
     if expired:
-        locks = [lock for lock in locks if holder_state(c.app, lock.task_id) in FINISHED_STATES]
-    if not locks:
-        c.obj.echo("No locks to purge.")
-        return
-    what = f"{len(locks)} lock{'s' if len(locks) != 1 else ''}"
-    scope = f" of {task}" if task else ""
-    if not force:
-        click.confirm(
-            f"{c.obj.style('WARNING', fg='red')}: this releases {what}{scope}; the same "
-            "calls can then be published again.\n(to skip this prompt use the -f option)\n"
-            "Are you sure?",
-            abort=True,
-        )
-    released = sum(release_lock(lock.key, owner=lock.owner, app=c.app) for lock in locks)
-    c.obj.echo(f"{c.obj.OK} released {released} of {what}{scope}.")
+        click.echo("--expired is deprecated and has no effect: purge now releases only the "
+                   "locks no longer needed, unless --force.", err=True)
+    _run(ctx, lambda op: op.purge(task, force=force, yes=yes, dry_run=dry_run))
 
 
 @dedup.command(cls=CeleryCommand)
-@click.option("--json", "as_json", cls=CeleryOption, is_flag=True, help_group="Dedup Options",
-              help="Use json as output format.")
+@_task_option
+@_dry_run_option
+@click.pass_context
+def reap(ctx: click.Context, /, task: str | None, dry_run: bool, **kwargs: Any) -> None:
+    """Release locks of finished holders (as purge).
+
+    Releases, owner-checked, the locks whose holder's stored result says it
+    ended in a state its unique_until releases on.
+    """
+    _run(ctx, lambda op: op.reap(task, dry_run=dry_run))
+
+
+@dedup.command(cls=CeleryCommand)
+@_json_option
 @click.pass_context
 def stats(ctx: click.Context, /, as_json: bool, **kwargs: Any) -> None:
-    """Per-task counters (acquired, deduplicated, released, fallback, skipped) and live locks."""
-    c = _Context(ctx)
-    try:
-        counts = c.runtime.metrics.read()
-    except TypeError as exc:
-        raise click.ClickException(f"{exc}: no counters to show") from exc
-    except StoreUnavailable as exc:
-        raise click.ClickException(str(exc)) from exc
-    live = live_locks(c.scan())
-    tasks = sorted({name for name, _ in counts} | set(live))
-    table = {
-        name: {**{event: counts.get((name, event), 0) for event in EVENTS},
-               "live_locks": live.get(name, 0)}
-        for name in tasks
-    }
-    if as_json:
-        c.obj.echo(dumps(table))
-        return
-    if not table:
-        c.obj.echo("No counters yet.")
-        return
-    header = ("TASK", *(event.upper() for event in EVENTS), "LIVE LOCKS")
-    rows = [(name, *(str(value) for value in row.values())) for name, row in table.items()]
-    for line in render_table(rows, header):
-        c.obj.echo(line)
+    """Per-task counters and live locks.
 
-
-@dedup.command(cls=CeleryCommand)
-@click.option("--task", "task", cls=CeleryOption, help_group="Dedup Options",
-              help="Only the locks of this task name.")
-@click.pass_context
-def reap(ctx: click.Context, /, task: str | None, **kwargs: Any) -> None:
-    """Release locks whose holder finished in a state its policy releases on."""
-    c = _Context(ctx)
-    try:
-        released = reap_locks(c.app, task_name=task)
-    except StoreUnavailable as exc:
-        raise click.ClickException(str(exc)) from exc
-    for lock in released:
-        c.obj.echo(f"{c.obj.OK} reaped {short(lock.key)} held by {lock.task_name}[{lock.task_id}]")
-    c.obj.echo(f"{len(released)} lock{'s' if len(released) != 1 else ''} reaped.")
+    Counters: acquired, deduplicated, released (by workers), released_manual
+    (release/revoke/purge/reap), fallback, skipped.
+    """
+    _run(ctx, lambda op: op.stats(as_json))

@@ -1,10 +1,15 @@
 """Task events for Flower and other event consumers.
 
 * ``task-deduplicated``: each suppressed call is reported under its own
-  never-published uuid with ``parent_id`` set to the holder, from a
-  dispatcher with a stable hostname (``celery-dedup@<host>``). An event is
-  never sent under the holder's uuid, which would overwrite the holder's
-  state and worker in Flower. Flower shows it as state ``DEDUPLICATED``.
+  never-published uuid with ``parent_id`` set to the holder and
+  ``received`` set to the time of the call, from a dispatcher with a stable
+  hostname (``celery-dedup@<host>``). An event is never sent under the
+  holder's uuid, which would overwrite the holder's state and worker in
+  Flower. Flower shows it as state ``DEDUPLICATED``. Celery's event state
+  (and so Flower) registers a worker for every hostname a task event comes
+  from, so the event is followed by a ``worker-offline`` event for that
+  hostname: ``celery-dedup@<host>`` is listed as an offline worker at most,
+  never as an online one (Flower's ``--purge_offline_workers`` hides it).
 * ``task-ignored``: a task the worker skipped because another task holds its
   lock (``task_skipped``) is reported under its own uuid from the worker's
   hostname, so Flower shows it as ``IGNORED`` (the state the result backend
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from typing import TYPE_CHECKING, Any, Final
 
 from celery.utils.saferepr import saferepr
@@ -57,7 +63,8 @@ def send_deduplicated(
 ) -> None:
     """Emit one ``task-deduplicated`` event for a suppressed call.
 
-    Costs one broker publish; failures are logged, never raised, since the
+    Costs two small broker publishes (the event, then ``worker-offline`` for
+    the dispatcher's hostname); failures are logged, never raised, since the
     call itself has already been decided.
     """
     try:
@@ -70,8 +77,11 @@ def send_deduplicated(
                 kwargs=saferepr(kwargs or {}),
                 parent_id=holder_id,
                 root_id=root_id or holder_id,
+                received=time.time(),
                 result=f"suppressed: duplicate of {holder_id}",
             )
+            # Not a worker: withdraw the heartbeat the task event just implied.
+            dispatcher.send("worker-offline")
     except Exception:
         logger.warning("celery-dedup: could not send a %s event", EVENT_TYPE, exc_info=True)
 

@@ -1,5 +1,10 @@
 """Per-task counters of what celery-dedup did: acquired, deduplicated, released, fallback.
 
+``released`` counts the releases of the worker hooks (per ``unique_until``,
+revoked and expired messages, failed publishes); ``released_manual`` the
+releases made outside them: ``celery_dedup.release()``/``revoke()``, the
+CLI, the Django admin and the reaper.
+
 Counted in-process and added to the store in batches, so counting never
 costs a round trip per call:
 
@@ -8,7 +13,8 @@ costs a round trip per call:
   last flush, the call that notices it adds the whole batch to the store with
   ``CounterSupport.add_counts`` (one round trip for every counter);
 * pending counts are also flushed at ``worker_process_shutdown``,
-  ``worker_shutdown`` and interpreter exit (``atexit``);
+  ``worker_shutdown`` and interpreter exit (``atexit``; a store already gone
+  by then is logged at DEBUG only);
 * a forked child drops the counts it inherited (the parent still has them
   and flushes them itself), so nothing is counted twice.
 
@@ -46,7 +52,9 @@ __all__ = [
 logger = logging.getLogger("celery_dedup")
 
 #: the counter names
-EVENTS: Final = ("acquired", "deduplicated", "released", "fallback", "skipped")
+EVENTS: Final = (
+    "acquired", "deduplicated", "released", "released_manual", "fallback", "skipped",
+)
 
 #: the setting that bounds how often counts are written to the store
 FLUSH_INTERVAL_SETTING: Final = "dedup_metrics_flush_interval"
@@ -120,12 +128,13 @@ class Metrics:
         with self._lock:
             self._pending.update(counts)
 
-    def flush(self) -> bool:
+    def flush(self, *, quiet: bool = False) -> bool:
         """Add the pending counts to the store in one round trip.
 
         Returns whether nothing is left pending. Never raises: on a store
         error (or a store without counters) the counts are kept for the next
-        flush.
+        flush, and the first error is logged as a WARNING (DEBUG when
+        ``quiet``, as at interpreter exit).
         """
         counts = self.take()
         if not counts:
@@ -138,8 +147,8 @@ class Metrics:
             store.add_counts(self.prefix, counts)
         except Exception as exc:
             self._put_back(counts)
-            level = logging.DEBUG if self._warned else logging.WARNING
-            self._warned = True
+            level = logging.DEBUG if self._warned or quiet else logging.WARNING
+            self._warned = self._warned or not quiet
             logger.log(level, "celery-dedup: could not flush metrics to the store: %s", exc)
             return False
         return True
@@ -168,10 +177,16 @@ def live_locks(locks: Iterable[Lock]) -> dict[str, int]:
     return dict(Counter(lock.task_name for lock in locks))
 
 
-def flush_all() -> None:
+def flush_all(*, quiet: bool = False) -> None:
     """Flush every ``Metrics`` of this process (exit and worker-shutdown hook)."""
     for metrics in list(_INSTANCES):
-        metrics.flush()
+        metrics.flush(quiet=quiet)
+
+
+def _at_exit() -> None:
+    # At exit the store's server is often gone already (end of a test
+    # session, container shutdown): nothing an operator can act on.
+    flush_all(quiet=True)
 
 
 def _after_fork_in_child() -> None:
@@ -184,6 +199,6 @@ def _on_shutdown(*args: Any, **kwargs: Any) -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
-atexit.register(flush_all)
+atexit.register(_at_exit)
 worker_process_shutdown.connect(_on_shutdown, weak=False)
 worker_shutdown.connect(_on_shutdown, weak=False)

@@ -12,16 +12,17 @@ The collector reads the counters every process flushed to the store (so
 any one process exposes the whole system's numbers) and, per scrape,
 scans the live locks:
 
-=====================================  =======  ======================================
-metric                                 type     meaning
-=====================================  =======  ======================================
-``celery_dedup_acquired_total``        counter  locks taken (a call was published)
-``celery_dedup_deduplicated_total``    counter  calls suppressed as duplicates
-``celery_dedup_released_total``        counter  locks released by the worker hooks
-``celery_dedup_fallback_total``        counter  calls that could not use the store
-``celery_dedup_skipped_total``         counter  tasks a worker skipped (``IGNORED``)
-``celery_dedup_live_locks``            gauge    locks held right now
-=====================================  =======  ======================================
+=======================================  =======  ======================================
+metric                                   type     meaning
+=======================================  =======  ======================================
+``celery_dedup_acquired_total``          counter  locks taken (a call was published)
+``celery_dedup_deduplicated_total``      counter  calls suppressed as duplicates
+``celery_dedup_released_total``          counter  locks released by the worker hooks
+``celery_dedup_released_manual_total``   counter  locks released by hand or the reaper
+``celery_dedup_fallback_total``          counter  calls that could not use the store
+``celery_dedup_skipped_total``           counter  tasks a worker skipped (``IGNORED``)
+``celery_dedup_live_locks``              gauge    locks held right now
+=======================================  =======  ======================================
 
 Every metric has one label, ``task`` (the task name). Expose it from one
 process only (for example next to Flower); the counts are system-wide.
@@ -50,6 +51,8 @@ _HELP: Final = {
     "acquired": "Locks taken by celery-dedup (the call was published).",
     "deduplicated": "Calls suppressed by celery-dedup as duplicates of a live lock.",
     "released": "celery-dedup locks released by the worker hooks.",
+    "released_manual": "celery-dedup locks released by hand (release, revoke, CLI, admin) "
+    "or by the reaper.",
     "fallback": "Calls celery-dedup published or refused without a lock (store unusable).",
     "skipped": "Tasks a worker skipped because another task held their lock.",
 }

@@ -1,15 +1,23 @@
 """Helpers for testing code that uses celery-dedup.
 
 None of them needs pytest; they are context managers and plain functions
-that fit fixtures::
+that fit fixtures. Point them at **your** Celery app (the one your tasks are
+bound to), not at the throwaway app of ``celery.contrib.pytest``'s
+``celery_app`` fixture; passing a task works too::
 
+    # conftest.py
     import pytest
     from celery_dedup.testing import memory_store
+    from proj.celery import app
 
     @pytest.fixture
-    def dedup_store(celery_app):
-        with memory_store(celery_app) as store:
+    def dedup_store():
+        with memory_store(app) as store:
             yield store
+
+    # test_tasks.py
+    from celery_dedup.testing import assert_deduplicated, assert_not_deduplicated
+    from proj.tasks import sync_address
 
     def test_second_call_is_a_duplicate(dedup_store):
         first = sync_address.delay(42, {"zip": "10115"})
@@ -23,7 +31,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from . import signals
 from .exceptions import DedupError
@@ -57,20 +65,33 @@ SIGNALS = {
 }
 
 
+def _app_of(app_or_task: Celery | DedupTask) -> Celery:
+    app = getattr(app_or_task, "app", None)
+    if app is not None and not hasattr(app_or_task, "tasks"):
+        return cast("Celery", app)
+    return cast("Celery", app_or_task)
+
+
 @contextmanager
 def memory_store(
-    app: Celery, *, clock: Callable[[], float] = time.time
+    app: Celery | DedupTask, *, clock: Callable[[], float] = time.time
 ) -> Iterator[MemoryStore]:
-    """Point ``app`` at a fresh, empty ``MemoryStore`` until the block ends.
+    """Point ``app`` (or the app of the task given) at a fresh, empty ``MemoryStore``.
 
-    Every ``DedupTask`` of ``app`` (producer side, eager runs and in-process
-    test workers from ``celery.contrib.testing.worker``) uses the new store;
-    afterwards the app's previous store comes back, or, if the app had not
-    resolved its store yet, it is resolved again from its settings on next
-    use. ``clock`` is the store's time source (pass a fake one to expire
-    locks without sleeping). Yields the store.
+    Until the block ends, every ``DedupTask`` of that app (producer side,
+    eager runs and in-process test workers from
+    ``celery.contrib.testing.worker``) uses the new store, whatever
+    ``dedup_store`` or the result backend say; afterwards the app's previous
+    store comes back, or, if the app had not resolved its store yet, it is
+    resolved again from its settings on next use. ``clock`` is the store's
+    time source (pass a fake one to expire locks without sleeping). Yields
+    the store.
+
+    Pass the app your tasks are bound to (``proj.celery.app``, or a task):
+    patching another app, such as the ``celery_app`` fixture of
+    ``celery.contrib.pytest``, leaves your tasks on their real store.
     """
-    runtime = runtime_for(app)
+    runtime = runtime_for(_app_of(app))
     # The store is swapped inside the existing Runtime rather than replaced
     # with a new one: tasks cache the Runtime they resolved.
     with runtime._store_lock:
@@ -128,14 +149,18 @@ def assert_not_deduplicated(result: Any) -> None:
         )
 
 
-def held_locks(app: Celery, task: DedupTask | str | None = None) -> list[Lock]:
+def held_locks(app: Celery | DedupTask, task: DedupTask | str | None = None) -> list[Lock]:
     """The live locks in ``app``'s store, sorted by key.
 
-    ``task`` (a task or a task name) restricts the list to that task's
-    locks; ``enqueue_many`` batch locks are listed under the task name
-    ``celery_dedup.batch``. Raises ``DedupError`` when the app has no store.
+    ``app`` may be a task: its app is used, and the list is restricted to
+    that task's locks unless ``task`` is given. ``task`` (a task or a task
+    name) restricts the list to that task's locks; ``enqueue_many`` batch
+    locks are listed under the task name ``celery_dedup.batch``. Raises
+    ``DedupError`` when the app has no store.
     """
-    runtime = runtime_for(app)
+    if task is None and hasattr(app, "dedup_config"):
+        task = cast("DedupTask", app)
+    runtime = runtime_for(_app_of(app))
     store = runtime.store
     if store is None:
         raise DedupError("this app has no lock store (set dedup_store or use memory_store)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -59,6 +60,15 @@ def app(
     app.close()
 
 
+def started(app: Celery, result: Any) -> None:
+    """Mark ``result``'s lock started, as the worker's claim does (the run then died)."""
+    store = runtime_for(app).store
+    assert store is not None
+    lock = store.get(result.deduplication_key)
+    assert lock is not None
+    store.claim(lock.key, lock.owner, release=False, ttl=None, meta={})
+
+
 def dedup(*args: str, input: str | None = None) -> Result:
     """Run ``celery -A tests.apps.cli_app:app dedup ARGS`` in-process."""
     return CliRunner().invoke(celery, ["-A", "tests.apps.cli_app:app", "dedup", *args],
@@ -66,24 +76,24 @@ def dedup(*args: str, input: str | None = None) -> Result:
 
 
 def test_list_shows_live_locks(app: Celery) -> None:
-    """``list`` shows each live lock's digest, task, holder, policy and seconds left."""
+    """``list`` shows each live lock's digest, task, holder, policy, start and time left."""
     first = app.tasks[SYNC].delay(1, "a")
     second = app.tasks[SYNC].delay(2, "b")
     slow = app.tasks[SLOW].delay(5, tag="x")
     result = dedup("list")
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
-    assert lines[0].split() == ["DIGEST", "TASK", "HOLDER", "POLICY", "SECONDS", "LEFT"]
+    assert lines[0].split() == ["DIGEST", "TASK", "HOLDER", "POLICY", "STARTED", "EXPIRES", "IN"]
     rows = {line.split()[2]: line.split() for line in lines[1:-1]}
     assert set(rows) == {first.id, second.id, slow.id}
     assert rows[first.id][:2] == [short(first.deduplication_key), SYNC]
-    assert rows[first.id][3] == "success"
-    assert 590 <= int(rows[first.id][4]) <= 600
+    assert rows[first.id][3:5] == ["success", "no"]
+    assert rows[first.id][5:] in (["9m", "59s"], ["10m", "0s"])
     assert lines[-1] == "3 live locks."
 
 
 def test_list_task_filter_and_json(app: Celery) -> None:
-    """``list --task NAME --json`` returns only that task's locks, as JSON with full keys."""
+    """``list --task NAME --json`` returns only that task's locks, with full keys and ISO times."""
     mine = app.tasks[SYNC].delay(1)
     app.tasks[SLOW].delay(5)
     result = dedup("list", "--task", SYNC, "--json")
@@ -91,7 +101,8 @@ def test_list_task_filter_and_json(app: Celery) -> None:
     (row,) = json.loads(result.output)
     assert row["key"] == mine.deduplication_key
     assert row["holder"] == mine.id and row["task"] == SYNC and row["policy"] == "success"
-    assert 0 < row["seconds_left"] <= 600
+    assert row["started"] is False and 0 < row["seconds_left"] <= 600
+    assert row["expires"].endswith("+00:00") and row["expires_at"] > row["acquired_at"]
 
 
 def test_list_empty(app: Celery) -> None:
@@ -100,18 +111,37 @@ def test_list_empty(app: Celery) -> None:
     assert result.exit_code == 0 and result.output.strip() == "No live locks."
 
 
-def test_show_by_task_id_and_digest(app: Celery) -> None:
-    """``show`` finds a lock by its holder's task id and by a digest prefix."""
+def test_list_on_a_memory_store_says_it_sees_this_process_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On ``memory://`` the list says that it only holds this process's locks."""
+    app = make_app("memory://", None, "memory://cli-note")
+    monkeypatch.setattr(cli_app, "app", app)
+    app.tasks[SYNC].delay(1)
+    result = dedup("list")
+    assert result.exit_code == 0, result.output
+    assert "only the locks of this very process" in result.output
+    app.close()
+
+
+def test_show_by_task_id_prefix_and_digest(app: Celery) -> None:
+    """``show`` finds a lock by its holder's task id (or a prefix of it) and by a digest prefix."""
     holder = app.tasks[SYNC].delay(7)
     by_id = dedup("show", holder.id, "--json")
     assert by_id.exit_code == 0, by_id.output
     data = json.loads(by_id.output)
     assert data["key"] == holder.deduplication_key and data["holder"] == holder.id
-    assert data["holder_state"] == states.PENDING
+    assert data["holder_state"] == states.PENDING and data["phase"] == "not started"
+    assert data["needed"] is True
+    by_prefix = dedup("show", holder.id[:13], "--json")
+    assert json.loads(by_prefix.output)["key"] == holder.deduplication_key
     by_digest = dedup("show", short(holder.deduplication_key)[:10])
     assert by_digest.exit_code == 0, by_digest.output
     assert f"holder:       {holder.id}" in by_digest.output
     assert f"key:          {holder.deduplication_key}" in by_digest.output
+    assert "holder state: PENDING (not started)" in by_digest.output
+    assert re.search(r"^expires: +\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC \(in (9m 5\ds|10m 0s)\)$",
+                     by_digest.output, re.M), by_digest.output
 
 
 def test_show_unknown(app: Celery) -> None:
@@ -121,9 +151,7 @@ def test_show_unknown(app: Celery) -> None:
     assert "no live lock matches" in result.output
 
 
-def test_release_queued_holder(app: Celery) -> None:
-    """``release KEY`` frees a lock whose holder is not running, and sends lock_released."""
-    holder = app.tasks[SYNC].delay(3)
+def _released(app: Celery, *args: str) -> tuple[Result, list[dict[str, Any]]]:
     seen: list[dict[str, Any]] = []
 
     def receiver(sender: Any = None, **kwargs: Any) -> None:
@@ -131,15 +159,28 @@ def test_release_queued_holder(app: Celery) -> None:
 
     lock_released.connect(receiver)
     try:
-        result = dedup("release", holder.deduplication_key)
+        return dedup(*args), seen
     finally:
         lock_released.disconnect(receiver)
-    assert result.exit_code == 0, result.output
-    assert f"released {short(holder.deduplication_key)}" in result.output
-    assert runtime_for(app).store.get(holder.deduplication_key) is None  # type: ignore[union-attr]
-    assert [(s["key"], s["task_id"], s["reason"]) for s in seen] == [
-        (holder.deduplication_key, holder.id, "manual")
-    ]
+
+
+def test_release_queued_holder_needs_force(app: Celery) -> None:
+    """A lock whose holder has not started is refused with the reason; --force releases it."""
+    holder = app.tasks[SYNC].delay(3)
+    key = holder.deduplication_key
+    refused, seen = _released(app, "release", key)
+    assert refused.exit_code == 1 and seen == []
+    assert "still needed: its holder has not started (PENDING" in refused.output
+    assert "--force" in refused.output
+    assert runtime_for(app).store.get(key) is not None  # type: ignore[union-attr]
+    dry = dedup("release", key, "--force", "--dry-run")
+    assert "(dry run) would release" in dry.output
+    assert runtime_for(app).store.get(key) is not None  # type: ignore[union-attr]
+    forced, seen = _released(app, "release", key, "--force")
+    assert forced.exit_code == 0, forced.output
+    assert f"released {short(key)}" in forced.output
+    assert runtime_for(app).store.get(key) is None  # type: ignore[union-attr]
+    assert [(s["key"], s["task_id"], s["reason"]) for s in seen] == [(key, holder.id, "manual")]
     assert app.tasks[SYNC].delay(3).id != holder.id  # the same call publishes again
 
 
@@ -151,41 +192,85 @@ def test_release_running_holder_needs_force(app: Celery) -> None:
     refused = dedup("release", short(key))
     assert refused.exit_code == 1
     assert holder.id in refused.output and SLOW in refused.output
-    assert "running (STARTED)" in refused.output and "--force" in refused.output
+    assert "its holder is running (STARTED)" in refused.output and "--force" in refused.output
     assert runtime_for(app).store.get(key) is not None  # type: ignore[union-attr]
     forced = dedup("release", short(key), "--force")
     assert forced.exit_code == 0, forced.output
     assert runtime_for(app).store.get(key) is None  # type: ignore[union-attr]
 
 
-def test_purge_one_task_confirms(app: Celery) -> None:
-    """``purge --task`` asks first, then releases only that task's locks."""
-    syncs = [app.tasks[SYNC].delay(i) for i in range(3)]
+def test_release_refuses_a_finished_idempotency_window(app: Celery) -> None:
+    """An ``expiry`` lock whose holder succeeded is still needed: released only with --force."""
+    charge = app.tasks[SYNC].apply_async((99,), unique_until="expiry", unique_for=86400)
+    app.backend.mark_as_done(charge.id, 99)
+    refused = dedup("release", charge.deduplication_key)
+    assert refused.exit_code == 1
+    assert "its holder ended SUCCESS, and unique_until='expiry' keeps the lock" in refused.output
+    assert "throttle or idempotency window" in refused.output
+    assert app.tasks[SYNC].apply_async((99,), unique_until="expiry").deduplicated is True
+
+
+def test_release_a_lock_nobody_needs(app: Celery) -> None:
+    """A ``success`` lock whose holder's SUCCESS is stored (a lost release) goes without --force."""
+    finished = app.tasks[SYNC].delay(4)
+    started(app, finished)
+    app.backend.mark_as_done(finished.id, 4)
+    result = dedup("release", finished.deduplication_key)
+    assert result.exit_code == 0, result.output
+    assert "(finished)" in result.output
+    assert runtime_for(app).store.get(finished.deduplication_key) is None  # type: ignore[union-attr]
+
+
+def _three_locks(app: Celery) -> tuple[Any, Any, Any]:
+    """A stale ``success`` lock, a pending holder's, and a finished ``expiry`` window."""
+    stale = app.tasks[SYNC].delay(1)
+    pending = app.tasks[SYNC].delay(2)
+    window = app.tasks[SYNC].apply_async((3,), unique_until="expiry")
+    started(app, stale)
+    app.backend.mark_as_done(stale.id, 1)
+    app.backend.mark_as_done(window.id, 3)
+    return stale, pending, window
+
+
+@pytest.mark.parametrize("flags", [(), ("--expired",)], ids=["purge", "purge-expired"])
+def test_purge_releases_only_locks_nobody_needs(app: Celery, flags: tuple[str, ...]) -> None:
+    """``purge`` (and the deprecated ``--expired``) keeps pending holders and expiry windows."""
+    stale, pending, window = _three_locks(app)
+    store = runtime_for(app).store
+    assert store is not None
+    dry = dedup("purge", "--dry-run", *flags)
+    assert dry.exit_code == 0, dry.output
+    assert "(dry run) 1 lock would be released." in dry.output
+    assert store.get(stale.deduplication_key) is not None
+    result = dedup("purge", *flags)
+    assert result.exit_code == 0, result.output
+    assert "Keeping 2 locks still needed" in result.output
+    assert "unique_until='expiry' keeps the lock" in result.output
+    assert "has not started" in result.output
+    assert "released 1 of 1 lock." in result.output
+    assert store.get(stale.deduplication_key) is None
+    assert store.get(pending.deduplication_key) is not None
+    assert store.get(window.deduplication_key) is not None
+    if flags:
+        assert "--expired is deprecated" in result.output
+
+
+def test_purge_force_asks_then_releases_everything(app: Celery) -> None:
+    """``purge --force`` asks before releasing needed locks; ``--yes`` skips the question."""
+    _stale, pending, window = _three_locks(app)
     other = app.tasks[SLOW].delay(5)
     store = runtime_for(app).store
     assert store is not None
-    declined = dedup("purge", "--task", SYNC, input="n\n")
-    assert declined.exit_code == 1 and "3 locks of demo.sync" in declined.output
-    assert all(store.get(r.deduplication_key) for r in syncs)
-    accepted = dedup("purge", "--task", SYNC, input="y\n")
+    declined = dedup("purge", "--task", SYNC, "--force", input="n\n")
+    assert declined.exit_code == 1 and "2 locks of demo.sync still needed" in declined.output
+    assert store.get(pending.deduplication_key) is not None
+    accepted = dedup("purge", "--task", SYNC, "--force", input="y\n")
     assert accepted.exit_code == 0, accepted.output
     assert "released 3 of 3 locks of demo.sync" in accepted.output
-    assert not any(store.get(r.deduplication_key) for r in syncs)
+    assert store.get(window.deduplication_key) is None
     assert store.get(other.deduplication_key) is not None
-
-
-def test_purge_expired_force(app: Celery) -> None:
-    """``purge --expired --force`` releases only locks whose holder already finished."""
-    finished = app.tasks[SYNC].delay(1)
-    pending = app.tasks[SYNC].delay(2)
-    app.backend.mark_as_done(finished.id, 1)
-    result = dedup("purge", "--expired", "--force")
-    assert result.exit_code == 0, result.output
-    assert "released 1 of 1 lock." in result.output
-    store = runtime_for(app).store
-    assert store is not None
-    assert store.get(finished.deduplication_key) is None
-    assert store.get(pending.deduplication_key) is not None
+    assert "released 1 of 1 lock." in dedup("purge", "--force", "--yes").output
+    assert dedup("list").output.strip() == "No live locks."
 
 
 def test_stats_counts_and_live_locks(app: Celery) -> None:
@@ -197,11 +282,15 @@ def test_stats_counts_and_live_locks(app: Celery) -> None:
     assert result.exit_code == 0, result.output
     row = json.loads(result.output)[SYNC]
     assert row["acquired"] == 1 and row["deduplicated"] == 4
-    assert row["released"] == 0 and row["fallback"] == 0
+    assert row["released"] == 0 and row["released_manual"] == 0 and row["fallback"] == 0
     assert row["live_locks"] == 1
+    assert dedup("release", holder.deduplication_key, "--force").exit_code == 0
     table = dedup("stats")
-    assert table.output.splitlines()[0].split()[:3] == ["TASK", "ACQUIRED", "DEDUPLICATED"]
-    assert table.output.splitlines()[1].split() == [SYNC, "1", "4", "0", "0", "0", "1"]
+    assert table.output.splitlines()[0].split() == [
+        "TASK", "ACQUIRED", "DEDUPLICATED", "RELEASED", "RELEASED_MANUAL", "FALLBACK", "SKIPPED",
+        "LIVE_LOCKS",
+    ]
+    assert table.output.splitlines()[1].split() == [SYNC, "1", "4", "0", "1", "0", "0", "0"]
 
 
 def test_commands_import_default_modules(app: Celery) -> None:
@@ -222,7 +311,7 @@ def test_commands_import_default_modules(app: Celery) -> None:
 
 def test_no_store_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
     """An app from which no store can be derived gets a clear error, exit code 1."""
-    app = make_app("memory://", "rpc://")
+    app = make_app("memory://", "rpc://", dedup_fallback="open")
     monkeypatch.setattr(cli_app, "app", app)
     result = dedup("list")
     assert result.exit_code == 1
@@ -264,13 +353,31 @@ def test_reap_releases_locks_of_finished_holders(app: Celery) -> None:
     finished = app.tasks[SYNC].delay(11)
     pending = app.tasks[SYNC].delay(12)
     # The worker died after recording success, before releasing: only the backend knows.
+    started(app, finished)
     app.backend.mark_as_done(finished.id, None)
+    dry = dedup("reap", "--dry-run")
+    assert f"(dry run) would reap {short(finished.deduplication_key)}" in dry.output
+    assert "(dry run) 1 lock would be reaped." in dry.output
     result = dedup("reap")
     assert result.exit_code == 0, result.output
     assert result.output.strip().splitlines()[-1] == "1 lock reaped."
     assert short(finished.deduplication_key) in result.output
+    assert dedup("reap", "--dry-run").output.strip() == "(dry run) 0 locks would be reaped."
     store = runtime_for(app).store
     assert store is not None
     assert store.get(finished.deduplication_key) is None
     lock = store.get(pending.deduplication_key)
     assert lock is not None and lock.task_id == pending.id
+
+
+def test_help_lines_are_whole(app: Celery) -> None:
+    """``celery dedup --help`` lists every command with a summary click does not cut off."""
+    result = CliRunner().invoke(celery, ["-A", "tests.apps.cli_app:app", "dedup", "--help"])
+    assert result.exit_code == 0, result.output
+    commands = result.output.split("Commands:")[1].strip().splitlines()
+    assert [line.split()[0] for line in commands] == [
+        "list", "purge", "reap", "release", "show", "stats"
+    ]
+    assert not any(line.rstrip().endswith("...") for line in commands), commands
+    release_help = dedup("release", "--help").output
+    assert "KEY" in release_help and "--dry-run" in release_help

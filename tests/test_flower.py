@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -100,6 +101,7 @@ def test_duplicates_are_children_of_an_intact_holder(
         assert row["args"] == "(1.5,)" and row["kwargs"] == "{'tag': 'flower'}"
         assert row["result"] == f"suppressed: duplicate of {holder.id}"
         assert row["worker"] == dispatcher_hostname()
+        assert row["received"] and abs(row["received"] - time.time()) < 60
 
     filtered = flower.get_json(f"/api/tasks?state=DEDUPLICATED&taskname={SLOW}")
     assert duplicate_ids <= set(filtered)
@@ -126,3 +128,19 @@ def test_skipped_task_shows_ignored(app: Celery, worker: Any, flower: FlowerServ
     assert holder.id in info["result"]
     assert bypass.state == "IGNORED"
     assert flower.wait_for(lambda: (flower.task(holder.id) or {}).get("state") == "SUCCESS")
+
+
+def test_no_phantom_online_worker(app: Celery, worker: Any, flower: FlowerServer) -> None:
+    """The events' dispatcher is never an online worker; /api/workers lists only real ones."""
+    slow = app.tasks[SLOW]
+    holder = slow.delay(0.5, tag="phantom")
+    duplicate = slow.delay(0.5, tag="phantom")
+    assert holder.get(timeout=30) == "done phantom"
+    flower.wait_for(lambda: flower.task(duplicate.duplicate_id), what="the DEDUPLICATED row")
+    status = flower.wait_for(
+        lambda: (s := flower.get_json("/api/workers?status=true")).get(WORKER) and s,
+        what="the real worker online",
+    )
+    assert status.get(dispatcher_hostname()) is False  # offline, never online
+    real = flower.get_json("/api/workers?refresh=1")
+    assert set(real) == {WORKER}

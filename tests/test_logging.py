@@ -1,14 +1,19 @@
-"""Logging under ``celery_dedup``: a DEBUG line per duplicate, keys as digests only."""
+"""Logging under ``celery_dedup`` (a DEBUG line per duplicate, keys as digests only), and
+loud misconfiguration: errors that name the task, did-you-mean warnings, settings that
+follow ``app.conf`` changes."""
 
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Iterator
 
 import pytest
 from celery import Celery, states
 from celery.contrib.testing.worker import start_worker
 
+from celery_dedup import DedupTask, ImproperlyConfigured, InvalidOptionError
+from celery_dedup.options import DedupConfigWarning
 from celery_dedup.runtime import runtime_for
 from celery_dedup.worker import short
 from tests.apps.cli_app import SYNC, make_app
@@ -94,3 +99,97 @@ def test_no_raw_argument_or_caller_key_is_logged(
     assert any("released" in m for m in messages)
     assert any(f"skipping {SYNC}[{bypass.id}]" in m for m in messages)
     assert secrets_in(caplog.records) == []
+
+
+# -- loud misconfiguration ---------------------------------------------------------
+
+
+def test_no_store_is_a_configuration_error_naming_the_task() -> None:
+    """No derivable store and no explicit dedup_fallback: the first call raises, naming the task."""
+    app = make_app("memory://", "rpc://")
+    try:
+        with pytest.raises(ImproperlyConfigured, match=f"cannot deduplicate {SYNC}: no lock"):
+            app.tasks[SYNC].apply_async((1,), queue="no-store")
+        with app.connection_for_write() as conn:
+            assert conn.default_channel.queue_declare("no-store").message_count == 0
+    finally:
+        app.close()
+
+
+def test_explicit_open_fallback_publishes_without_a_store(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``dedup_fallback='open'`` set on purpose publishes unlocked, with one warning."""
+    app = make_app("memory://", "rpc://", dedup_fallback="open")
+    try:
+        with caplog.at_level(logging.DEBUG, logger="celery_dedup"):
+            assert app.tasks[SYNC].delay(1).deduplicated is False
+            assert app.tasks[SYNC].delay(1).deduplicated is False
+    finally:
+        app.close()
+    logged = [r.getMessage() for r in caplog.records
+              if r.levelno == logging.WARNING and r.name == "celery_dedup"]
+    assert len(logged) == 1 and "as dedup_fallback='open' asks" in logged[0]
+
+
+def test_misspelt_names_warn_with_a_suggestion() -> None:
+    """Misspelt task options, call options and settings warn once, with a "did you mean"."""
+    app = make_app("memory://", None, "memory://misspelt", dedup_default_tll=5)
+    try:
+        with pytest.warns(DedupConfigWarning) as task_warnings:
+
+            @app.task(base=DedupTask, shared=False, name="demo.typo", unique_untill="expiry")
+            def typo(x: int) -> int:
+                return x
+
+            assert typo.name == "demo.typo"  # Celery creates the task class on first use
+
+        assert "demo.typo: unknown task option 'unique_untill'" in str(task_warnings[0].message)
+        assert "did you mean 'unique_until'?" in str(task_warnings[0].message)
+        with pytest.warns(DedupConfigWarning) as call_warnings:
+            typo.apply_async((1,), unqiue_for=60)
+        messages = [str(w.message) for w in call_warnings]
+        assert any("unknown setting 'dedup_default_tll'" in m and "'dedup_default_ttl'" in m
+                   for m in messages)
+        assert any("demo.typo: unknown call option 'unqiue_for'" in m and "'unique_for'" in m
+                   for m in messages)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            typo.apply_async((2,), unqiue_for=60, queue="celery", priority=3)  # once per name
+    finally:
+        app.close()
+
+
+def test_invalid_values_name_the_task() -> None:
+    """A bad per-call value, or a bad setting met when the task first resolves, names the task."""
+    app = make_app("memory://", None, "memory://invalid")
+    try:
+        with pytest.raises(InvalidOptionError, match=rf"^{SYNC}: unique_until='later'"):
+            app.tasks[SYNC].apply_async((1,), unique_until="later")
+        app.conf.dedup_default_unique_until = "sometimes"
+        with pytest.raises(InvalidOptionError, match=rf"^{SYNC}: dedup_default_unique_until="):
+            app.tasks[SYNC].delay(2)
+    finally:
+        app.close()
+
+
+def test_settings_changed_after_first_use_take_effect() -> None:
+    """``app.conf.dedup_*`` changed after the first call applies to the next call."""
+    app = make_app("memory://", None, "memory://first")
+    try:
+        task = app.tasks[SYNC]
+        first = task.delay(1)
+        assert first.deduplication_key.startswith("celery-dedup:")
+        assert runtime_for(app).settings.default_ttl == 3600
+        app.conf.update(dedup_key_prefix="changed", dedup_store="memory://second",
+                        dedup_default_ttl=7)
+        second = task.delay(1)
+        assert second.deduplicated is False  # a new prefix and a new store: a new lock
+        assert second.deduplication_key.startswith("changed:")
+        assert runtime_for(app).settings.default_ttl == 7
+        assert runtime_for(app).store.name == "memory"  # type: ignore[union-attr]
+        assert [lock.key for lock in runtime_for(app).store.scan("changed:")] == [  # type: ignore[union-attr]
+            second.deduplication_key
+        ]
+    finally:
+        app.close()

@@ -17,13 +17,15 @@ from celery import Celery
 from celery.signals import worker_process_shutdown, worker_shutdown
 from prometheus_client import CollectorRegistry, generate_latest
 
-from celery_dedup import InvalidOptionError, StoreUnavailable
+from celery_dedup import InvalidOptionError, StoreUnavailable, enqueue_many, release
+from celery_dedup.batch import BATCH_TASK_NAME
 from celery_dedup.metrics import DEFAULT_FLUSH_INTERVAL, Metrics
 from celery_dedup.prometheus import METRIC_NAMES, register
 from celery_dedup.runtime import runtime_for
 from celery_dedup.stores.memory import MemoryStore
 from celery_dedup.stores.redis import RedisStore
 from tests.apps.cli_app import SYNC, make_app
+from tests.fixtures._servers import free_port
 from tests.fixtures.redis import RedisServer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -169,6 +171,36 @@ def test_interpreter_exit_flushes(redis_url: str) -> None:
     reader = RedisStore.from_url(redis_url)
     assert reader.read_counts("celery-dedup") == {(SYNC, "acquired"): 1,
                                                   (SYNC, "deduplicated"): 1}
+
+
+def test_store_gone_at_exit_logs_debug_only(tmp_path: Path) -> None:
+    """At interpreter exit a store that is gone is logged at DEBUG, never as an error."""
+    script = textwrap.dedent(f"""
+        import logging, sys
+        logging.basicConfig(stream=sys.stderr, level=logging.INFO)
+        from tests.apps.cli_app import SYNC, make_app
+        app = make_app("memory://", None, "redis://127.0.0.1:{free_port()}/0",
+                       dedup_fallback="open")
+        app.tasks[SYNC].delay(3)   # counts a fallback, pending until exit
+    """)
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, check=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                          text=True)
+    assert "lock store unavailable" in done.stderr  # the call's own fallback warning
+    assert "could not flush metrics" not in done.stderr
+
+
+def test_manual_releases_and_batches_are_counted(app: Celery) -> None:
+    """``release()`` counts as released_manual, not released; enqueue_many counts its lock."""
+    holder = app.tasks[SYNC].delay(5)
+    assert release(holder, app=app) is True
+    enqueue_many([app.tasks[SYNC].s(6)], deduplication_key="batch-1", app=app)
+    enqueue_many([app.tasks[SYNC].s(6)], deduplication_key="batch-1", app=app)
+    counts = runtime_for(app).metrics.read()
+    assert counts[(SYNC, "released_manual")] == 1
+    assert (SYNC, "released") not in counts
+    assert counts[(BATCH_TASK_NAME, "acquired")] == 1
+    assert counts[(BATCH_TASK_NAME, "deduplicated")] == 1
 
 
 def test_no_extra_round_trip_per_call(app: Celery, redis_server: RedisServer) -> None:

@@ -90,6 +90,24 @@ def test_memory_store_is_fresh_each_time(eager_app: Celery, tasks: dict[str, Any
         assert send_digest.delay(7).deduplicated is False
 
 
+def test_memory_store_of_a_task_patches_its_app(
+    eager_app: Celery, tasks: dict[str, Any]
+) -> None:
+    """Given a task, ``memory_store`` patches the app the task is bound to, not another app."""
+    other = Celery("throwaway", broker="memory://", set_as_current=False)
+    send_digest = tasks["send_digest"]
+    try:
+        with memory_store(other), pytest.raises(Exception, match="no lock store"):
+            send_digest.delay(1)  # the task's own app was left alone
+        with memory_store(send_digest) as store:
+            first = send_digest.delay(1)
+            assert [lock.task_id for lock in store.scan("")] == [first.id]
+            assert [lock.task_id for lock in held_locks(send_digest)] == [first.id]
+            assert held_locks(tasks["sync_address"]) == []
+    finally:
+        other.close()
+
+
 def test_memory_store_clock_expires_locks(eager_app: Celery, tasks: dict[str, Any]) -> None:
     """A fake clock passed to ``memory_store`` lets a lock expire without sleeping."""
     now = [1_000_000.0]

@@ -1,17 +1,26 @@
-"""Re-create ``docs/img/flower-task.png``: Flower's page of a holder and its duplicates.
+"""Re-create the docs' screenshots from real runs.
 
-Starts a throwaway redis-server and a real Flower on free loopback ports, an
-in-process worker with events on, publishes one holder plus three
-duplicates, then asks headless Chromium for a screenshot of the holder's
-task page. Run from the repository root::
+* ``docs/img/flower-task.png``: Flower's page of a holder and its duplicates.
+  Starts a throwaway redis-server and a real Flower on free loopback ports,
+  an in-process worker with events on, publishes one holder plus three
+  duplicates, then asks headless Chromium for a screenshot of the holder's
+  task page.
+* ``docs/img/admin-locks.png``: the Django admin page of live locks, taken
+  by ``tests/django/test_admin_screenshot.py`` (three locks in three holder
+  states, served to headless Chromium), which writes it when
+  ``DEDUP_DOCS_SCREENSHOT`` names the file.
+
+Run from the repository root::
 
     python docs/img/make_screenshot.py
 
 Needs ``redis-server``, ``flower`` and ``chromium`` (or ``chromium-browser``).
+The docs site does not publish this script (``exclude_docs`` in mkdocs.yml).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -36,6 +45,7 @@ from tests.fixtures.flower import (  # noqa: E402
 from tests.fixtures.redis import start_redis  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "flower-task.png"
+ADMIN_OUT = Path(__file__).resolve().parent / "admin-locks.png"
 WORKER = "worker1@example"
 #: tall enough to show the holder's "Children" row below its details
 HEIGHT = 1400
@@ -64,8 +74,18 @@ def screenshot(url: str, out: Path) -> None:
         )
 
 
+def admin_screenshot() -> None:
+    """Run the admin screenshot test, which writes ``ADMIN_OUT``."""
+    subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "django", "--ds=tests.django.settings",
+         "tests/django/test_admin_screenshot.py"],
+        cwd=ROOT, env={**os.environ, "DEDUP_DOCS_SCREENSHOT": str(ADMIN_OUT)}, check=True,
+    )
+    print(f"wrote {ADMIN_OUT.relative_to(ROOT)}")
+
+
 def main() -> None:
-    """Start everything, publish a holder and its duplicates, take the screenshot."""
+    """Start everything, publish a holder and its duplicates, take the screenshots."""
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
         redis_argv, redis_port = start_redis(directory)
@@ -96,6 +116,7 @@ def main() -> None:
                 trace.reset_worker_optimizations(app)
                 runtime_for(app).metrics.flush()
     print(f"wrote {OUT.relative_to(ROOT)}")
+    admin_screenshot()
 
 
 if __name__ == "__main__":

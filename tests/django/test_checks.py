@@ -25,6 +25,7 @@ BAD_VALUES = [
     ("CELERY_DEDUP_STORE_OPTIONS", ["timeout"], "celery_dedup.E010"),
     ("CELERY_DEDUP_METRICS_FLUSH_INTERVAL", -1, "celery_dedup.E011"),
     ("CELERY_DEDUP_NATIVE", "sometimes", "celery_dedup.E012"),
+    ("CELERY_DEDUP_REVOKED_TTL", -1, "celery_dedup.E013"),
 ]
 
 
@@ -119,3 +120,31 @@ def test_manage_py_check_passes_on_the_test_settings(app: Any, capsys: Any) -> N
     """The test settings (valid dedup settings) pass ``manage.py check``."""
     call_command("check")
     assert "no issues" in capsys.readouterr().out
+
+
+def test_no_derivable_store_is_an_error_unless_open_on_purpose(app: Any) -> None:
+    """rpc:// results on a non-Redis broker: E014, unless CELERY_DEDUP_FALLBACK is set."""
+    with override_settings(CELERY_RESULT_BACKEND="rpc://", CELERY_BROKER_URL="memory://"):
+        errors = [m for m in check_settings() if m.id == "celery_dedup.E014"]
+        assert len(errors) == 1
+        assert "every DedupTask call would fail" in errors[0].msg
+        assert "CELERY_DEDUP_FALLBACK = 'open'" in errors[0].hint
+        with override_settings(CELERY_DEDUP_FALLBACK="open"):
+            assert [m.id for m in check_settings()] == []
+
+
+def test_override_settings_takes_effect_on_the_next_call(app: Any, transactional_db: None) -> None:
+    """A CELERY_DEDUP_* setting changed with override_settings applies without a reset."""
+    from shop.tasks import sync_address
+
+    from celery_dedup.runtime import runtime_for
+
+    before = sync_address.delay(1, {"zip": "1"})
+    assert before.deduplication_key.startswith("celery-dedup:")
+    with override_settings(CELERY_DEDUP_KEY_PREFIX="overridden"):
+        during = sync_address.delay(1, {"zip": "1"})
+        assert during.deduplicated is False
+        assert during.deduplication_key.startswith("overridden:")
+    after = sync_address.delay(1, {"zip": "1"})
+    assert after.deduplicated is True and after.id == before.id
+    assert runtime_for(app).settings.key_prefix == "celery-dedup"

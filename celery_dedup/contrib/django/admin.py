@@ -4,8 +4,13 @@ One page, one code path for every store: the changelist of ``DedupLock`` is
 replaced by a view that reads ``store.scan(prefix)`` of the current Celery
 app's store (the Django DB table, Redis, memcached…), so it shows the same
 thing the task sees. It offers search (task name, key, holder id), a filter
-by task, and the owner-checked action "Release selected locks": each lock is
-released only if the holder shown on the page still holds it.
+by task, a lookup of the lock a call would take (task and arguments), the
+holder's state per row, and the action "Release selected locks", which
+shows a confirmation page first. The rules are the CLI's
+(``celery_dedup.cli.assess``): a lock its policy still needs (holder not
+finished, or kept by ``unique_until`` after it finished) is only released
+when the confirmation page's "release them anyway" box is ticked, and every
+release is owner-checked against the holder shown.
 
 Access: staff (the admin site) plus the ``view`` (or ``change``) permission
 on "deduplication lock" to list, and the ``delete`` permission to release.
@@ -28,7 +33,8 @@ from django.urls import NoReverseMatch, path, reverse
 from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 
-from ...api import release
+from ...api import dedup_key_for, release
+from ...cli import Assessment, assess, duration
 from ...runtime import runtime_for
 from ...stores.base import Lock, LockStore
 from .models import DedupLock
@@ -37,39 +43,29 @@ __all__ = ["DedupLockAdmin", "LockRow"]
 
 logger = logging.getLogger("celery_dedup")
 
-#: rows shown at most; narrow with search or the task filter
-MAX_ROWS = 1000
+#: rows per page; narrow with search, the task filter or the lookup
+PER_PAGE = 100
 
 
 class LockRow:
-    """One lock as the page shows it."""
+    """One lock as the pages show it."""
 
-    def __init__(self, lock: Lock, result_url: str | None) -> None:
+    def __init__(self, found: Assessment, result_url: str | None) -> None:
+        lock = found.lock
         self.lock = lock
         self.task_name = lock.task_name
         self.key = lock.key
         self.digest = lock.key.rsplit(":", 1)[-1][:16]
         self.owner = lock.task_id
         self.policy = lock.policy
-        self.expires_in = _duration(lock.ttl)
+        self.expires_in = duration(lock.ttl)
+        self.state = found.state
+        self.phase = found.phase
+        self.needed = found.needed
+        self.why = found.why
         self.result_url = result_url
         #: the checkbox value: key and the holder seen, for the owner check
         self.value = json.dumps([lock.key, lock.task_id])
-
-
-def _duration(seconds: float) -> str:
-    seconds = round(seconds)
-    days, rest = divmod(seconds, 86400)
-    hours, rest = divmod(rest, 3600)
-    minutes, secs = divmod(rest, 60)
-    parts = [f"{days}d"] if days else []
-    if hours or days:
-        parts.append(f"{hours}h")
-    if not days:
-        parts.append(f"{minutes}m")
-    if not days and not hours:
-        parts.append(f"{secs}s")
-    return " ".join(parts)
 
 
 def _current_celery_app() -> Any:
@@ -80,9 +76,10 @@ def _current_celery_app() -> Any:
 
 @admin.register(DedupLock)
 class DedupLockAdmin(admin.ModelAdmin):  # type: ignore[misc]
-    """Live locks of the current Celery app's lock store, with an owner-checked release."""
+    """Live locks of the current Celery app's store, with a confirmed, owner-checked release."""
 
     change_list_template = "admin/celery_dedup/locks.html"
+    release_confirmation_template = "admin/celery_dedup/release_confirmation.html"
     actions = ["release_selected"]
     #: the Celery app whose store is shown; ``None`` means ``celery.current_app``
     celery_app: Any = None
@@ -125,37 +122,87 @@ class DedupLockAdmin(admin.ModelAdmin):  # type: ignore[misc]
         runtime = runtime_for(app)
         return runtime.store, runtime.settings.key_prefix + ":", app
 
+    def _rows(self, app: Any, locks: Sequence[Lock]) -> list[LockRow]:
+        urls = self._result_urls(lock.task_id for lock in locks)
+        return [LockRow(assess(app, lock), urls.get(lock.task_id)) for lock in locks]
+
     # -- the action --------------------------------------------------------
 
     @admin.action(  # type: ignore[untyped-decorator]
-        description=_("Release selected locks"), permissions=["delete"]
+        description=_("Release selected locks…"), permissions=["delete"]
     )
-    def release_selected(self, request: HttpRequest, selected: Sequence[tuple[str, str]]) -> None:
-        """Release each selected lock if the holder shown still holds it (owner-checked)."""
-        _store, _prefix, app = self.get_store()
-        released = 0
-        for key, owner in selected:
-            if release(key, owner=owner, app=app):
+    def release_selected(
+        self, request: HttpRequest, selected: Sequence[tuple[str, str]]
+    ) -> HttpResponse | None:
+        """Show the selected locks with their holders' state; release them once confirmed.
+
+        A lock still needed is released only with the "release them anyway"
+        box ticked; each release is owner-checked against the holder shown.
+        """
+        store, _prefix, app = self.get_store()
+        current = [_still_held(store, key, owner) for key, owner in selected]
+        held = [lock for lock in current if lock is not None]
+        gone = len(current) - len(held)
+        if request.POST.get("post") != "yes":
+            rows = self._rows(app, held)
+            context = {
+                **self.admin_site.each_context(request),
+                "opts": self.opts,
+                "title": _("Release deduplication locks?"),
+                "subtitle": None,
+                "rows": rows,
+                "needed": [row for row in rows if row.needed],
+                "gone": gone,
+                "action_checkbox_name": ACTION_CHECKBOX_NAME,
+                "action": "release_selected",
+            }
+            request.current_app = self.admin_site.name
+            return TemplateResponse(request, self.release_confirmation_template, context)
+        force = request.POST.get("force") == "yes"
+        released, kept = 0, []
+        for found in (assess(app, lock) for lock in held):
+            if found.needed and not force:
+                kept.append(found)
+                continue
+            if release(found.lock.key, owner=found.lock.owner, app=app):
                 released += 1
                 logger.info(
-                    "celery-dedup: %s released lock %s of %s from the admin",
-                    request.user, key.rsplit(":", 1)[-1][:16], owner,
+                    "celery-dedup: %s released lock %s of %s from the admin (%s%s)",
+                    request.user, found.lock.key.rsplit(":", 1)[-1][:16], found.holder,
+                    found.phase, ", still needed" if found.needed else "",
                 )
+            else:
+                gone += 1
+        self._report(request, released, kept, gone)
+        return None
+
+    def _report(
+        self, request: HttpRequest, released: int, kept: Sequence[Assessment], gone: int
+    ) -> None:
         self.message_user(
             request,
             ngettext("Released %(n)d lock.", "Released %(n)d locks.", released) % {"n": released},
             messages.SUCCESS,
         )
-        kept = len(selected) - released
-        if kept:
+        for found in kept:
+            self.message_user(
+                request,
+                _("Kept %(digest)s of %(holder)s: %(why)s.") % {
+                    "digest": found.lock.key.rsplit(":", 1)[-1][:16],
+                    "holder": found.holder,
+                    "why": found.why,
+                },
+                messages.WARNING,
+            )
+        if gone:
             self.message_user(
                 request,
                 ngettext(
                     "%(n)d lock was not released: it expired or has a new holder.",
                     "%(n)d locks were not released: they expired or have a new holder.",
-                    kept,
+                    gone,
                 )
-                % {"n": kept},
+                % {"n": gone},
                 messages.WARNING,
             )
 
@@ -164,20 +211,23 @@ class DedupLockAdmin(admin.ModelAdmin):  # type: ignore[misc]
     def changelist_view(
         self, request: HttpRequest, extra_context: dict[str, Any] | None = None
     ) -> HttpResponse:
-        """List live locks (search, task filter) and run the release action."""
+        """List live locks (search, task filter, call lookup, pages) and run the action."""
         if not self.has_view_permission(request):
             raise PermissionDenied
         if request.method == "POST":
             return self._run_action(request)
-        store, prefix, _app = self.get_store()
-        locks = list(store.scan(prefix)) if store is not None else []
-        task_names = sorted({lock.task_name for lock in locks})
+        store, prefix, app = self.get_store()
+        locks = sorted(store.scan(prefix), key=lambda lock: (lock.task_name, lock.key)) \
+            if store is not None else []
         query = request.GET.get("q", "").strip()
         task = request.GET.get("task", "")
-        shown = [lock for lock in locks if _matches(lock, query, task)]
-        truncated = len(shown) > MAX_ROWS
-        shown = shown[:MAX_ROWS]
-        result_urls = self._result_urls(lock.task_id for lock in shown)
+        lookup = _Lookup(app, request.GET)
+        shown = [
+            lock for lock in locks
+            if _matches(lock, query, task) and (lookup.key is None or lock.key == lookup.key)
+        ]
+        pages = max(1, -(-len(shown) // PER_PAGE))
+        page = min(max(_int(request.GET.get("p"), 1), 1), pages)
         actions = self.get_actions(request)
         context = {
             **self.admin_site.each_context(request),
@@ -186,13 +236,17 @@ class DedupLockAdmin(admin.ModelAdmin):  # type: ignore[misc]
             "subtitle": None,
             "store": store,
             "prefix": prefix,
-            "rows": [LockRow(lock, result_urls.get(lock.task_id)) for lock in shown],
+            "rows": self._rows(app, shown[(page - 1) * PER_PAGE : page * PER_PAGE]),
             "total": len(locks),
-            "truncated": truncated,
-            "max_rows": MAX_ROWS,
-            "task_names": task_names,
+            "matched": len(shown),
+            "filtered": bool(query or task or lookup.key),
+            "page": page,
+            "pages": pages,
+            "page_links": _page_links(request, pages),
+            "task_names": sorted({lock.task_name for lock in locks}),
             "task": task,
             "query": query,
+            "lookup": lookup,
             "action_choices": [(name, desc) for name, (_f, _n, desc) in actions.items()],
             "action_checkbox_name": ACTION_CHECKBOX_NAME,
             "has_view_permission": True,
@@ -216,9 +270,10 @@ class DedupLockAdmin(admin.ModelAdmin):  # type: ignore[misc]
                 _("Items must be selected in order to perform actions on them."),
                 messages.WARNING,
             )
-        else:
-            func = actions[name][0]
-            func(self, request, selected)
+            return HttpResponseRedirect(request.get_full_path())
+        response = actions[name][0](self, request, selected)
+        if isinstance(response, HttpResponse):
+            return response
         return HttpResponseRedirect(request.get_full_path())
 
     def _result_urls(self, owners: Iterable[str]) -> dict[str, str]:
@@ -243,6 +298,68 @@ class DedupLockAdmin(admin.ModelAdmin):  # type: ignore[misc]
             except NoReverseMatch:
                 return {}
         return urls
+
+
+class _Lookup:
+    """"Which lock would this call take?": a task name and JSON arguments → its key."""
+
+    def __init__(self, app: Any, params: Any) -> None:
+        self.task_names = sorted(
+            name for name, task in app.tasks.items() if hasattr(task, "dedup_config")
+        )
+        self.task = params.get("lookup_task", "")
+        self.args = params.get("lookup_args", "").strip()
+        self.kwargs = params.get("lookup_kwargs", "").strip()
+        self.key: str | None = None
+        self.error = ""
+        if self.task:
+            self._resolve(app)
+
+    @property
+    def digest(self) -> str:
+        """The first 16 hex digits of the looked-up key."""
+        return (self.key or "").rsplit(":", 1)[-1][:16]
+
+    def _resolve(self, app: Any) -> None:
+        task = app.tasks.get(self.task)
+        if task is None or not hasattr(task, "dedup_config"):
+            self.error = str(_("No deduplicated task is called %(task)s.") % {"task": self.task})
+            return
+        try:
+            args = json.loads(self.args or "[]")
+            kwargs = json.loads(self.kwargs or "{}")
+            if not isinstance(args, list) or not isinstance(kwargs, dict):
+                raise ValueError("arguments must be a JSON list, keyword arguments a JSON object")
+            key = dedup_key_for(task, args, kwargs)
+        except (ValueError, TypeError) as exc:
+            self.error = str(exc)
+            return
+        if key is None:
+            self.error = str(_("This call takes no lock."))
+            return
+        self.key = key
+
+
+def _still_held(store: LockStore | None, key: str, task_id: str) -> Lock | None:
+    """The lock at ``key`` if the holder shown on the page (``task_id``) still holds it."""
+    lock = store.get(key) if store is not None else None
+    return lock if lock is not None and lock.task_id == task_id else None
+
+
+def _int(value: Any, default: int) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
+
+
+def _page_links(request: HttpRequest, pages: int) -> list[tuple[int, str]]:
+    params = request.GET.copy()
+    links = []
+    for number in range(1, pages + 1):
+        params["p"] = str(number)
+        links.append((number, "?" + params.urlencode()))
+    return links
 
 
 def _matches(lock: Lock, query: str, task: str) -> bool:

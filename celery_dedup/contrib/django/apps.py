@@ -2,10 +2,28 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.apps import AppConfig
 from django.utils.translation import gettext_lazy as _
 
 __all__ = ["CeleryDedupConfig"]
+
+#: Django settings that change what celery-dedup resolves (``namespace="CELERY"``)
+_WATCHED_PREFIXES = ("CELERY_DEDUP_", "CELERY_RESULT_BACKEND", "CELERY_BROKER_URL")
+
+
+def _settings_changed(setting: str = "", **_: Any) -> None:
+    """``setting_changed`` (``override_settings``): the next call re-reads the settings."""
+    if not setting.startswith(_WATCHED_PREFIXES):
+        return
+    from celery import current_app
+
+    from ...runtime import _ATTR
+
+    runtime = getattr(current_app._get_current_object(), _ATTR, None)  # type: ignore[attr-defined]
+    if runtime is not None:
+        runtime.invalidate()
 
 
 class CeleryDedupConfig(AppConfig):  # type: ignore[misc]
@@ -18,9 +36,11 @@ class CeleryDedupConfig(AppConfig):  # type: ignore[misc]
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        """Register the system checks."""
+        """Register the system checks and follow changes of ``CELERY_DEDUP_*`` settings."""
         from django.core import checks
+        from django.core.signals import setting_changed
 
         from .checks import check_settings
 
         checks.register(check_settings)
+        setting_changed.connect(_settings_changed, dispatch_uid="celery_dedup.settings_changed")

@@ -19,13 +19,17 @@ id                      setting
 ``celery_dedup.E008``   ``CELERY_DEDUP_SEND_EVENTS``
 ``celery_dedup.E009``   ``CELERY_DEDUP_STORE`` names an unknown scheme
 ``celery_dedup.E010``   ``CELERY_DEDUP_STORE_OPTIONS`` is not a mapping
+``celery_dedup.E011``   ``CELERY_DEDUP_METRICS_FLUSH_INTERVAL``
+``celery_dedup.E012``   ``CELERY_DEDUP_NATIVE``
+``celery_dedup.E013``   ``CELERY_DEDUP_REVOKED_TTL``
+``celery_dedup.E014``   no lock store can be derived and
+                        ``CELERY_DEDUP_FALLBACK`` is not set
 ``celery_dedup.W001``   an unknown ``CELERY_DEDUP_*`` setting (a typo?)
 ======================  ===============================================
 """
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Iterator, Mapping
 from importlib.metadata import entry_points
 from typing import Any, Final
@@ -34,8 +38,8 @@ from django.conf import settings
 from django.core.checks import CheckMessage, Error, Warning
 
 from ...exceptions import InvalidOptionError
-from ...options import SETTINGS
-from ...stores import ALIASES, ENTRY_POINT_GROUP, split_url
+from ...options import KNOWN_SETTINGS, SETTINGS, did_you_mean
+from ...stores import ALIASES, ENTRY_POINT_GROUP, derive_store_url, split_url
 
 __all__ = ["CHECK_IDS", "check_settings", "django_setting_name"]
 
@@ -55,10 +59,11 @@ CHECK_IDS: Final[Mapping[str, str]] = {
 }
 E_UNKNOWN_SCHEME: Final = "celery_dedup.E009"
 E_STORE_OPTIONS: Final = "celery_dedup.E010"
+E_NO_STORE: Final = "celery_dedup.E014"
 W_UNKNOWN_SETTING: Final = "celery_dedup.W001"
 
 #: every setting celery-dedup reads
-KNOWN: Final = frozenset({*SETTINGS, "dedup_store_options"})
+KNOWN: Final = KNOWN_SETTINGS
 
 _NAMESPACE: Final = "CELERY_"
 
@@ -85,14 +90,43 @@ def _given() -> Iterator[tuple[str, str, Any]]:
             yield name, f"app.conf.{name}", value
 
 
-def _app_conf() -> Any:
-    """The current Celery app's configuration, or ``None`` if it cannot be read."""
+def _app() -> Any:
+    """The current Celery app, or ``None`` if its configuration cannot be read."""
     from celery import current_app
 
     try:
-        return current_app.conf
+        current_app.conf.get("broker_url")
     except Exception:  # a broken Celery config is reported by Celery itself
         return None
+    return current_app
+
+
+def _app_conf() -> Any:
+    """The current Celery app's configuration, or ``None`` if it cannot be read."""
+    app = _app()
+    return None if app is None else app.conf
+
+
+def _check_store_derivable() -> Error | None:
+    """No store can be derived and the user did not opt into publishing without one."""
+    app = _app()
+    if app is None or app.conf.get("dedup_fallback") is not None:
+        return None
+    try:
+        if derive_store_url(app) is not None:
+            return None
+    except Exception:  # an invalid dedup_store is reported by E001/E009
+        return None
+    backend = app.conf.get("result_backend") or "none"
+    return Error(
+        "celery-dedup has no lock store: none can be derived from the result backend "
+        f"({str(backend).partition('://')[0]}) or the broker, and CELERY_DEDUP_STORE is "
+        "not set; every DedupTask call would fail with ImproperlyConfigured",
+        hint="Set CELERY_DEDUP_STORE to a redis://, db+…, django-db or memcached:// URL "
+        "(or use such a result backend); or set CELERY_DEDUP_FALLBACK = 'open' to publish "
+        "without deduplication.",
+        id=E_NO_STORE,
+    )
 
 
 def _check_one(name: str, where: str, value: Any) -> Error | None:
@@ -143,9 +177,9 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
     messages: list[CheckMessage] = []
     for name, where, value in _given():
         if name not in KNOWN:
-            close = difflib.get_close_matches(name, sorted(KNOWN), n=1)
+            close = did_you_mean(name, KNOWN)
             hint = (
-                f"Did you mean {django_setting_name(close[0])}?"
+                f"Did you mean {django_setting_name(close)}?"
                 if close
                 else "Known settings: " + ", ".join(sorted(map(django_setting_name, KNOWN)))
             )
@@ -156,4 +190,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
         error = _check_one(name, where, value)
         if error is not None:
             messages.append(error)
+    no_store = _check_store_derivable()
+    if no_store is not None:
+        messages.append(no_store)
     return messages

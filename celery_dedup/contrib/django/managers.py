@@ -18,7 +18,8 @@ session), so producers on several hosts agree on expiry.
   transaction: read the lock and marker rows with ``SELECT … FOR UPDATE``,
   then write. A concurrent first insert loses with a duplicate-key error and
   the store runs the operation again (``is_contention``).
-- ``release``, ``extend``, ``unrevoke``, ``get``, ``scan`` are one statement.
+- ``release``, ``extend``, ``settle``, ``unrevoke``, ``get``, ``scan`` are one
+  statement.
 """
 
 from __future__ import annotations
@@ -437,6 +438,20 @@ class LockQueries:
             f"WHERE {self.live_lock} AND {self.col['owner']} = %s"
         )
         return bool(self._rowcount(sql, [ttl, key, owner]))
+
+    def settle(self, key: str, owner: str, ttl: float | None) -> bool:
+        """``UPDATE … SET started = false [, expires_at = now + ttl] WHERE key AND owner``.
+
+        On a live lock; the expiry is kept when ``ttl`` is ``None``. Whether
+        ``owner`` holds ``key``.
+        """
+        sets = f"{self.col['started']} = %s"
+        params: list[Any] = [False]
+        if ttl is not None:
+            sets += f", {self.col['expires_at']} = {self.now} + %s"
+            params.append(ttl)
+        sql = f"UPDATE {self.table} SET {sets} WHERE {self.live_lock} AND {self.col['owner']} = %s"
+        return bool(self._rowcount(sql, [*params, key, owner]))
 
     def get(self, key: str) -> LockRow | None:
         """The live lock at ``key``, or ``None``."""

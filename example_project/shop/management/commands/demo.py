@@ -1,21 +1,23 @@
 """``manage.py demo``: celery-dedup in action against a real worker, then a summary table.
 
-Migrates, clears what a previous run left (locks, task runs, queued
-messages), starts ``celery worker`` as a subprocess, fires the duplicate
-scenarios of ``shop.tasks``, waits for the worker, prints what was
-published, suppressed, raised, run and released per task, stops the worker
-and exits 0. Runs on whatever the settings configure: the zero-server
-default (``filesystem://`` broker, SQLite results and locks) or Redis when
-``REDIS_URL`` is set.
+Migrates, refuses to go on if a worker already runs on the broker (it never
+touches a worker it did not start), clears what a previous run left (locks,
+task runs, queued messages), starts ``celery worker`` as a subprocess, fires
+the duplicate scenarios of ``shop.tasks`` and tells for each what was called
+and what celery-dedup did and why, waits for the worker, prints a table of
+what was published, suppressed, refused, run and released per task (its
+columns explained below it), stops the worker and exits 0. Runs on whatever
+the settings configure: the zero-server default (``filesystem://`` broker,
+SQLite results and locks) or Redis when ``REDIS_URL`` is set.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,9 +26,11 @@ from typing import Any
 from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
+from kombu.utils.url import maybe_sanitize_url
 
 from celery_dedup import DuplicateTaskError, MissingDeduplicationKey, revoke
 from celery_dedup.runtime import runtime_for
+from celery_dedup.stores import derive_store_url
 
 WORKER_START_TIMEOUT = 30.0
 RESULT_TIMEOUT = 30.0
@@ -38,34 +42,28 @@ class Tally:
 
     published: list[Any] = field(default_factory=list)
     suppressed: int = 0
-    raised: int = 0
-    released_by_hand: int = 0
+    duplicate_error: int = 0
+    key_missing: int = 0
 
 
-def _wait_released(result: Any, timeout: float = 5.0) -> None:
-    """Wait for the worker's release of a finished task's lock, if its policy releases it.
-
-    The worker stores the result first and releases the lock just after
-    (``on_success``), so a caller that saw SUCCESS may be a moment early.
-    """
-    store = runtime_for(result.app).store
-    if store is None or result.deduplication_key is None:
-        return
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        holder = store.get(result.deduplication_key)
-        if holder is None or holder.owner != result.id or holder.policy == "expiry":
-            return
-        time.sleep(0.05)
+#: the table's columns and what they count (printed under the table)
+COLUMNS = (
+    ("published", "calls that took a lock (or needed none) and were sent to the broker"),
+    ("suppressed", "duplicates: nothing sent, the holder's result returned"),
+    ("dup_error", "duplicates refused with DuplicateTaskError (on_duplicate='raise')"),
+    ("no_key", "calls refused with MissingDeduplicationKey (identity='caller_provided')"),
+    ("run", "task bodies the worker ran (each writes a TaskRun row)"),
+    ("released", "locks of published calls already gone at the end (policy or revoke)"),
+)
 
 
 class Command(BaseCommand):
     """Run the celery-dedup demo against a real worker."""
 
-    help = "Start a worker, fire duplicate calls, print what celery-dedup did."
+    help = "Start a worker, fire duplicate calls, tell what celery-dedup did, print a table."
 
     def add_arguments(self, parser: Any) -> None:
-        """``--keep-worker-log`` prints the worker's output at the end."""
+        """``--show-worker-log`` prints the worker's output at the end."""
         parser.add_argument("--show-worker-log", action="store_true",
                             help="Print the worker's log after the table.")
 
@@ -75,8 +73,13 @@ class Command(BaseCommand):
 
         started = time.monotonic()
         call_command("migrate", interactive=False, verbosity=0)
+        self._refuse_if_a_worker_runs(app)
         self._reset(app)
         log_path = Path(settings.VAR_DIR) / "demo-worker.log"
+        self.stdout.write(
+            f"broker {_scheme(app.conf.broker_url)}, results "
+            f"{_scheme(app.conf.result_backend)}, locks in {_describe_store(app)}\n"
+        )
         worker = self._start_worker(log_path)
         try:
             self._wait_for_worker(app, worker, log_path)
@@ -85,15 +88,22 @@ class Command(BaseCommand):
         finally:
             self._stop_worker(worker)
         self._print_table(rows)
-        self.stdout.write(
-            f"\nbroker {app.conf.broker_url.split('://')[0]}://, results "
-            f"{str(app.conf.result_backend).split('://')[0]}, lock store "
-            f"{runtime_for(app).store!r}; {time.monotonic() - started:.1f}s"
-        )
+        self.stdout.write(f"\ndone in {time.monotonic() - started:.1f}s")
         if options["show_worker_log"]:
             self.stdout.write(log_path.read_text())
 
     # -- setup -----------------------------------------------------------------
+
+    def _refuse_if_a_worker_runs(self, app: Any) -> None:
+        """Never touch a worker the user started: stop if one answers on this broker."""
+        replies = app.control.ping(timeout=1.0)
+        if replies:
+            names = ", ".join(sorted(name for reply in replies for name in reply))
+            raise CommandError(
+                f"a worker is already running on this broker ({names}). The demo starts its "
+                "own worker and clears the queue: stop that worker first, or run the demo "
+                "with another EXAMPLE_VAR_DIR (or REDIS_URL database)."
+            )
 
     def _reset(self, app: Any) -> None:
         """Start from a clean slate: no locks, no task runs, no queued messages."""
@@ -105,15 +115,8 @@ class Command(BaseCommand):
             for lock in store.scan(runtime.settings.key_prefix + ":"):
                 store.release(lock.key, lock.owner)
         TaskRun.objects.all().delete()
-        options = app.conf.broker_transport_options or {}
-        if str(app.conf.broker_url).startswith("filesystem://"):
-            for name in ("data_folder_in", "control_folder"):
-                folder = Path(options[name])
-                shutil.rmtree(folder, ignore_errors=True)
-                folder.mkdir(parents=True, exist_ok=True)
-        else:
-            with app.connection_for_write() as conn:
-                conn.default_channel.queue_purge(app.conf.task_default_queue)
+        with app.connection_for_write() as conn:
+            conn.default_channel.queue_purge(app.conf.task_default_queue)
 
     def _start_worker(self, log_path: Path) -> subprocess.Popen[bytes]:
         project_dir = Path(settings.BASE_DIR)
@@ -132,7 +135,7 @@ class Command(BaseCommand):
             "--hostname", f"demo-{os.getpid()}@%h",
             "--without-gossip", "--without-mingle", "--without-heartbeat",
         ]
-        self.stdout.write("starting a worker: " + " ".join(argv[1:]))
+        self.stdout.write("Starting a worker: " + " ".join(argv[1:]) + "\n")
         with log_path.open("wb") as log:
             return subprocess.Popen(
                 argv, cwd=project_dir, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -159,6 +162,10 @@ class Command(BaseCommand):
 
     # -- the scenarios -----------------------------------------------------------
 
+    def _say(self, title: str, text: str) -> None:
+        self.stdout.write(f"{title}\n" + textwrap.fill(text, width=78, initial_indent="  ",
+                                                      subsequent_indent="  ") + "\n")
+
     def _scenarios(self) -> dict[str, Tally]:
         from shop import tasks
 
@@ -177,8 +184,11 @@ class Command(BaseCommand):
             tally = tallies[name]
             try:
                 result = names[name].apply_async(args, **options)
-            except (DuplicateTaskError, MissingDeduplicationKey):
-                tally.raised += 1
+            except DuplicateTaskError:
+                tally.duplicate_error += 1
+                return None
+            except MissingDeduplicationKey:
+                tally.key_missing += 1
                 return None
             if result.deduplicated:
                 tally.suppressed += 1
@@ -187,39 +197,78 @@ class Command(BaseCommand):
             return result
 
         home = {"street": "Invalidenstr. 1", "zip": "10115"}
-        # A digest mailer: one digest per user per day, however often it is asked for.
         for user_id in (1, 1, 1, 2):
             call("send_digest", user_id)
-        # Faktory's example: one sync queued until it succeeds; other args are other work.
+        self._say(
+            "send_digest: user 1 asks for a digest three times, user 2 once.",
+            "2 published, 2 suppressed. The key is digest:<user>:<UTC day> and the lock "
+            "uses unique_until='expiry' with a 24-hour unique_for: at most one digest per "
+            "user and day, even after it was sent (the lock lives 24 h from the first call).",
+        )
         first_sync = call("sync_address", 42, home)
         call("sync_address", 42, home)
         call("sync_address", 42, {"street": "Unter den Linden 5", "zip": "10117"})
-        # Payments: a double submit raises (the API answers 409).
+        self._say(
+            "sync_address: the same sync twice, then another address.",
+            "The second identical call is suppressed and gets the first one's result "
+            "(same task id); another address is other work and is published. With "
+            "unique_until='success' this holds while the first sync is pending or running.",
+        )
         call("process_payment", "pay-1001", "19.99", "EUR")
         call("process_payment", "pay-1001", "19.99", "EUR")
-        # Orders: keyed by the client's Idempotency-Key; none at all is refused.
+        self._say(
+            "process_payment: a double submit of payment pay-1001.",
+            "The second call raises DuplicateTaskError (on_duplicate='raise'); the shop's "
+            "API turns it into HTTP 409, whose message never contains the other task's id.",
+        )
         call("fulfill_order", 7, ["book"])
         call("fulfill_order", 7, ["book"], deduplication_key="order:key-7")
         call("fulfill_order", 7, ["book"], deduplication_key="order:key-7")
-        # Health checks: one scheduled probe per server and attempt, with a deterministic id.
+        self._say(
+            "fulfill_order: an order without Idempotency-Key, then the same key twice.",
+            "Without a key the call raises MissingDeduplicationKey (identity="
+            "'caller_provided'); the same key twice is one order, remembered for 24 hours "
+            "(unique_until='expiry') even after it was fulfilled.",
+        )
         countdown = tasks.probe_countdown(0)
         probe = call("probe_server", "https://peer.example", 0, countdown=countdown)
         call("probe_server", "https://peer.example", 0, countdown=countdown)
-        # Notifications: never deduplicated.
+        self._say(
+            "probe_server: the same health check scheduled twice, 5 minutes ahead.",
+            "One message, whose task id derives from the key (deterministic_id=True), so "
+            "anyone can find its result from (server, attempt) alone.",
+        )
         call("notify", 1, "welcome")
         call("notify", 1, "welcome")
-        # The periodic cleanup, ticked by two beat instances at once.
+        self._say(
+            "notify: the same notification twice.",
+            "Both are sent: identity='always_unique' takes no lock unless a caller passes "
+            "a key.",
+        )
         beat = {"headers": {"celery_beat_task": True}}
         call("purge_expired_locks", **beat)
         call("purge_expired_locks", **beat)
+        self._say(
+            "purge_expired_locks: two beat instances tick at the same moment.",
+            "One run; the second tick is suppressed (beat never gets an exception).",
+        )
 
-        # Once the first sync has succeeded its lock is gone: the same call publishes again.
         first_sync.get(timeout=RESULT_TIMEOUT, interval=0.1)
-        _wait_released(first_sync)
-        call("sync_address", 42, home)
-        # The probe is not needed after all: revoke it, which releases its lock at once.
-        if revoke(probe):
-            tallies["probe_server"].released_by_hand += 1
+        again = call("sync_address", 42, home)
+        self._say(
+            "sync_address again, after the first sync succeeded.",
+            f"Published ({'a new task' if again is not None and not again.deduplicated else '?'})"
+            ": the worker released the lock before it stored SUCCESS, so once get() returned "
+            "the same call is new work. For 'never twice within a window', use "
+            "unique_until='expiry'.",
+        )
+        outcome = revoke(probe)
+        self._say(
+            "probe_server: the probe is not needed after all; celery_dedup.revoke(probe).",
+            f"{outcome.value.upper()}: it had not started, so its lock was released at once, "
+            "and its owner token is marked revoked: the message can never run its body, "
+            "even if a worker receives it later.",
+        )
         return tallies
 
     # -- the table ---------------------------------------------------------------
@@ -228,16 +277,12 @@ class Command(BaseCommand):
         from shop import tasks
         from shop.models import TaskRun
 
+        probe_ids = {result.id for result in tallies["probe_server"].published}
         for tally in tallies.values():
             for result in tally.published:
-                if result.id == getattr(tallies["probe_server"].published[0], "id", None):
-                    continue  # scheduled minutes ahead: revoked, never runs
-                result.get(timeout=RESULT_TIMEOUT, interval=0.1)
+                if result.id not in probe_ids:  # scheduled minutes ahead: revoked, never runs
+                    result.get(timeout=RESULT_TIMEOUT, interval=0.1)
         store = runtime_for(app).store
-        for tally in tallies.values():
-            for result in tally.published:
-                if result.ready():
-                    _wait_released(result)
         rows = []
         for name, tally in tallies.items():
             task_name = getattr(tasks, name).name
@@ -248,15 +293,14 @@ class Command(BaseCommand):
                 if key is None or store is None:
                     continue
                 holder = store.get(key)
-                if holder is None or holder.owner != result.id:
+                if holder is None or holder.task_id != result.id:
                     released += 1
-            rows.append(
-                (name, len(tally.published), tally.suppressed, tally.raised, runs, released)
-            )
+            rows.append((name, len(tally.published), tally.suppressed, tally.duplicate_error,
+                         tally.key_missing, runs, released))
         return [tuple(str(cell) for cell in row) for row in rows]
 
     def _print_table(self, rows: list[tuple[str, ...]]) -> None:
-        header = ("task", "published", "suppressed", "raised", "run", "released")
+        header = ("task", *(name for name, _ in COLUMNS))
         totals = ("total", *(str(sum(int(r[i]) for r in rows)) for i in range(1, len(header))))
         table = [header, *rows, totals]
         widths = [max(len(row[i]) for row in table) for i in range(len(header))]
@@ -267,3 +311,21 @@ class Command(BaseCommand):
             self.stdout.write("  ".join(cells))
             if i == 0 or i == len(table) - 2:
                 self.stdout.write("  ".join("-" * w for w in widths))
+        self.stdout.write("")
+        for name, meaning in COLUMNS:
+            self.stdout.write(f"{name:>10}: {meaning}")
+
+
+def _scheme(url: Any) -> str:
+    return str(url).split("://")[0] + "://"
+
+
+def _describe_store(app: Any) -> str:
+    """The lock store in words, with its URL's secrets masked."""
+    store = runtime_for(app).store
+    url = derive_store_url(app) or "none"
+    if store is None:
+        return "no lock store"
+    if url.startswith("django-db"):
+        return "the project's database (django-db store, table celery_dedup_lock)"
+    return f"the {store.name} store at {maybe_sanitize_url(url)}"
