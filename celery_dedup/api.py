@@ -74,7 +74,7 @@ def release(
     (release whoever holds it now; still a compare-and-delete on that
     holder's token, so a newer holder is never freed by a stale call).
     """
-    app, store = _store(app)
+    app, store = _store(app or getattr(target, "app", None))
     if isinstance(target, str):
         holder = store.get(target)
         if owner is None and not force:

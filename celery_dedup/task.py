@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -577,19 +576,19 @@ class DedupTask(_Task):
     def delay_on_commit(self, *args: Any, **kwargs: Any) -> None:
         """Django: ``delay`` once the current transaction commits (nothing on rollback).
 
-        As Celery's ``DjangoTask.delay_on_commit``: the lock is taken and the
-        message published only on commit, so a rolled-back request leaves
-        neither. Returns ``None`` (the call has not happened yet).
+        Celery's ``DjangoTask.delay_on_commit``, which ``base=DedupTask``
+        would otherwise lose: the lock is taken and the message published
+        only on commit, so a rolled-back request leaves neither.
         """
-        from django.db import transaction
+        from celery.contrib.django.task import DjangoTask
 
-        transaction.on_commit(functools.partial(self.delay, *args, **kwargs))
+        DjangoTask.delay_on_commit(cast(Any, self), *args, **kwargs)
 
     def apply_async_on_commit(self, *args: Any, **kwargs: Any) -> None:
         """Django: ``apply_async`` once the current transaction commits (nothing on rollback)."""
-        from django.db import transaction
+        from celery.contrib.django.task import DjangoTask
 
-        transaction.on_commit(functools.partial(self.apply_async, *args, **kwargs))
+        DjangoTask.apply_async_on_commit(cast(Any, self), *args, **kwargs)
 
     def _is_holder_republish(self, task_id: str | None, options: Mapping[str, Any]) -> bool:
         """A ``retry()`` or ``replace()`` from inside the holder's own execution."""

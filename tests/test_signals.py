@@ -140,9 +140,9 @@ def test_dedup_fallback_open_and_closed(redis_server: RedisServer, receive: Any)
 
 
 def test_dedup_fallback_no_store(receive: Any) -> None:
-    """An app from which no store can be derived sends dedup_fallback reason "no_store"."""
+    """An app with no derivable store that opted into "open" sends reason "no_store"."""
     fallbacks = receive(dedup_fallback)
-    app = make_app("memory://", "rpc://")
+    app = make_app("memory://", "rpc://", dedup_fallback="open")
     try:
         app.tasks[SYNC].delay(1)
     finally:

@@ -46,7 +46,7 @@ def test_bad_call_option_names_option_value_and_allowed(
         job.apply_async((1,), **{option: value})
     message = str(info.value)
     assert isinstance(info.value, ValueError)
-    assert message.startswith(f"{option}={value!r}")
+    assert message.startswith(f"{job.name}: {option}={value!r}")
     assert allowed in message
     assert queue_length(redis_server, "q-opts") == 0
 
@@ -88,7 +88,7 @@ def test_bad_setting_names_the_setting(setting: str, value: Any, allowed: str) -
 
     with pytest.raises(InvalidOptionError) as info:
         job.delay(1)
-    assert str(info.value).startswith(f"{setting}={value!r}")
+    assert str(info.value).startswith(f"{job.name}: {setting}={value!r}")
     assert allowed in str(info.value)
 
 
@@ -147,7 +147,9 @@ def test_reset_runtime_rereads_settings() -> None:
 
     assert job.dedup_config().unique_for == 100
     app.conf.dedup_default_ttl = 200
-    assert job.dedup_config().unique_for == 100  # resolved once, not per call
-    reset_runtime(app)
+    # A changed setting takes effect on the next call (test fixtures do this).
     assert job.dedup_config().unique_for == 200
     assert runtime_for(app).settings.default_ttl == 200
+    app.conf.dedup_default_ttl = 300
+    reset_runtime(app)
+    assert job.dedup_config().unique_for == 300
