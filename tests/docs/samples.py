@@ -12,6 +12,10 @@ PAGE runs in order, as a reader would use it:
 * once every block ran, ``test_*.py`` files written by the page are run
   with pytest in WORKDIR.
 
+``run_page`` also runs a page in the calling process (the Django session
+does, for pages that need Django's test database): ``isolated`` undoes its
+changes to the working directory, ``sys.path`` and ``sys.modules``.
+
 ``DOCS_SUBSTITUTIONS`` (a JSON object in the environment) maps text of the
 page to text to run instead, e.g. ``redis://localhost:6379/0`` to a test
 server's URL: the samples never touch a server on a standard port.
@@ -19,6 +23,7 @@ server's URL: the samples never touch a server on a standard port.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -26,6 +31,7 @@ import subprocess
 import sys
 import textwrap
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +41,11 @@ FENCE = re.compile(
     re.M | re.S,
 )
 TITLE = re.compile(r'title="(?P<title>[^"]+)"')
+CELERY_COMMAND = "$ celery -A proj dedup"
+
+
+class SampleFailed(AssertionError):
+    """A sample of a page failed (the message names the page and the line)."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +72,20 @@ def samples(text: str) -> list[Sample]:
     return found
 
 
+def runs(sample: Sample) -> bool:
+    """Whether ``run_page`` runs ``sample``: Python, or a console with a ``celery … dedup`` line."""
+    if sample.lang == "python":
+        return True
+    return sample.lang == "console" and any(
+        line.startswith(CELERY_COMMAND) for line in sample.code.splitlines()
+    )
+
+
+def runnable(page: Path) -> bool:
+    """Whether ``page`` has a sample that ``run_page`` runs."""
+    return any(map(runs, samples(page.read_text())))
+
+
 def _substitute(code: str) -> str:
     for old, new in json.loads(os.environ.get("DOCS_SUBSTITUTIONS") or "{}").items():
         code = code.replace(old, new)
@@ -80,7 +105,7 @@ def _write(workdir: Path, sample: Sample) -> None:
 def _console(workdir: Path, sample: Sample, page: str) -> None:
     lines = sample.code.splitlines()
     for i, line in enumerate(lines):
-        if not line.startswith("$ celery -A proj dedup"):
+        if not line.startswith(CELERY_COMMAND):
             continue
         expected = next((out for out in lines[i + 1:] if out.strip()), "")
         argv = [sys.executable, "-m", *line[2:].split()]
@@ -89,7 +114,7 @@ def _console(workdir: Path, sample: Sample, page: str) -> None:
                                                 "COLUMNS": "100"})
         output = (done.stdout + done.stderr).splitlines()
         if done.returncode != 0 or not output:
-            raise AssertionError(
+            raise SampleFailed(
                 f"{page}:{sample.line}: {line!r} failed:\n{done.stdout}{done.stderr}"
             )
         if expected.startswith(("Usage:", "Commands:")):
@@ -97,10 +122,10 @@ def _console(workdir: Path, sample: Sample, page: str) -> None:
             got = [g.rstrip() for g in output]
             start = got.index(want[0]) if want[0] in got else -1
             if got[start:start + len(want)] != want:
-                raise AssertionError(f"{page}:{sample.line}: {line!r} prints\n"
+                raise SampleFailed(f"{page}:{sample.line}: {line!r} prints\n"
                                      + "\n".join(output))
         elif _first_line_differs(output[0], expected):
-            raise AssertionError(f"{page}:{sample.line}: {line!r} printed {output[0]!r}, "
+            raise SampleFailed(f"{page}:{sample.line}: {line!r} printed {output[0]!r}, "
                                  f"the page shows {expected!r}")
 
 
@@ -111,23 +136,42 @@ def _first_line_differs(got: str, shown: str) -> bool:
     return got.split()[:1] != shown.split()[:1]
 
 
-def run_page(page: Path, workdir: Path) -> None:
-    """Run every sample of ``page`` in ``workdir`` (see the module docstring)."""
+@contextlib.contextmanager
+def isolated(workdir: Path) -> Iterator[None]:
+    """Run in ``workdir``, importable; then restore the cwd, ``sys.path`` and ``sys.modules``."""
+    cwd, path, modules = os.getcwd(), list(sys.path), set(sys.modules)
     sys.path.insert(0, str(workdir))
     os.chdir(workdir)
+    try:
+        yield
+    finally:
+        os.chdir(cwd)
+        sys.path[:] = path
+        for name in set(sys.modules) - modules:
+            del sys.modules[name]
+
+
+def run_page(page: Path, workdir: Path) -> None:
+    """Run every sample of ``page`` in ``workdir`` (see the module docstring).
+
+    Raises ``SampleFailed`` for the first sample that fails.
+    """
     namespace: dict[str, object] = {"__name__": f"docs_{page.stem.replace('-', '_')}"}
-    for sample in samples(page.read_text()):
-        if sample.lang == "python" and sample.title:
-            _write(workdir, sample)
-        elif sample.lang == "python":
-            code = compile(_substitute(sample.code), f"{page.name}:{sample.line}", "exec")
-            try:
-                exec(code, namespace)
-            except BaseException:
-                traceback.print_exc()
-                raise SystemExit(f"{page.name}: the sample at line {sample.line} failed") from None
-        elif sample.lang == "console":
-            _console(workdir, sample, page.name)
+    with isolated(workdir):
+        for sample in samples(page.read_text()):
+            if sample.lang == "python" and sample.title:
+                _write(workdir, sample)
+            elif sample.lang == "python":
+                code = compile(_substitute(sample.code), f"{page.name}:{sample.line}", "exec")
+                try:
+                    exec(code, namespace)
+                except Exception as exc:
+                    traceback.print_exc()
+                    raise SampleFailed(
+                        f"{page.name}: the sample at line {sample.line} failed: {exc!r}"
+                    ) from exc
+            elif sample.lang == "console":
+                _console(workdir, sample, page.name)
     tests = sorted(workdir.glob("**/test_*.py"))
     if tests:
         done = subprocess.run(
@@ -136,8 +180,11 @@ def run_page(page: Path, workdir: Path) -> None:
             cwd=workdir, env={**os.environ, "PYTHONPATH": str(workdir)}, check=False,
         )
         if done.returncode != 0:
-            raise SystemExit(f"{page.name}: the page's tests failed")
+            raise SampleFailed(f"{page.name}: the page's tests failed")
 
 
 if __name__ == "__main__":
-    run_page(Path(sys.argv[1]).resolve(), Path(sys.argv[2]).resolve())
+    try:
+        run_page(Path(sys.argv[1]).resolve(), Path(sys.argv[2]).resolve())
+    except SampleFailed as failed:
+        raise SystemExit(str(failed)) from None

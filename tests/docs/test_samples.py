@@ -1,8 +1,10 @@
-"""Every code sample of the README and the docs runs, on a real Redis (``samples.py``).
+"""Every code sample of the README and the docs runs, on real servers (``samples.py``).
 
 Each page runs in its own process and working directory, with the page's
-``redis://localhost:6379/N`` URLs pointed at the test session's Redis, so
-a sample that drifts from the code fails here.
+server addresses (``redis://localhost:6379/N``, ``10.0.0.7:11211``, …)
+pointed at the test session's servers, so a sample that drifts from the
+code fails here. ``docs/django.md`` needs Django's test database: it runs
+in the Django session (``tests/django/test_docs_samples.py``).
 """
 
 from __future__ import annotations
@@ -16,35 +18,56 @@ from pathlib import Path
 
 import pytest
 
-from tests.docs.samples import samples
+from tests.docs.samples import runnable, samples
 from tests.fixtures._servers import free_port
+from tests.fixtures.memcached import MemcachedServer
+from tests.fixtures.postgres import PostgresServer
 from tests.fixtures.redis import RedisServer
+from tests.fixtures.redis_cluster import RedisClusterServer
 
 pytestmark = pytest.mark.redis
 
 ROOT = Path(__file__).resolve().parents[2]
 BROKER_DB, BACKEND_DB = 50, 51
+DOCS_DATABASE = "celery_dedup_docs"
 
-#: pages whose samples do not run yet: fragments that assume an ``app`` (or
-#: Django) defined elsewhere. A page leaves this list once its samples run
-#: (a ``python title="path.py"`` block is written to a file instead of run).
-NOT_RUNNABLE_YET = frozenset({
-    "docs/django.md",  # "Publishing on commit" needs a Django project
-    "docs/migrating.md",  # imports celery_once / celery_singleton
-    "docs/stores/index.md",
-    "docs/stores/memcached.md",
-    "docs/stores/memory.md",
-    "docs/stores/redis-cluster.md",
-    "docs/stores/redis.md",
-    "docs/stores/sql.md",
-})
+ALL_PAGES = sorted(
+    str(page.relative_to(ROOT))
+    for page in [ROOT / "README.md", *(ROOT / "docs").glob("*.md"),
+                 *(ROOT / "docs").glob("stores/*.md")]
+)
+
+#: pages with no sample to run, and why.
+WITHOUT_SAMPLES = {
+    "docs/api.md": "the API reference: signatures, no code",
+    "docs/benchmarks.md": "commands that run the benchmarks (minutes, on every server)",
+    "docs/example.md": "runs the example project's demo, tested by tests/django/test_demo.py",
+    "docs/guarantees.md": "commands that run tests/reliability itself",
+}
+
+#: pages whose samples need Django's test database.
+DJANGO_PAGES = frozenset({"docs/django.md"})
+
+#: the fixture pointing a page's other servers at the session's.
+SERVERS = {
+    "docs/native.md": "docs_sqs",
+    "docs/stores/index.md": "docs_postgres",
+    "docs/stores/memcached.md": "docs_memcached",
+    "docs/stores/redis-cluster.md": "docs_redis_cluster",
+    "docs/stores/sql.md": "docs_postgres",
+}
+
+#: the marks of those fixtures' servers.
+MARKS = {
+    "docs_postgres": pytest.mark.postgres,
+    "docs_memcached": pytest.mark.memcached,
+    "docs_redis_cluster": pytest.mark.redis_cluster,
+}
 
 PAGES = [
-    pytest.param(page, id=name, marks=[pytest.mark.xfail(reason="samples not runnable yet")]
-                 if name in NOT_RUNNABLE_YET else [])
-    for page in sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"),
-                        *(ROOT / "docs").glob("stores/*.md")])
-    for name in [str(page.relative_to(ROOT))]
+    pytest.param(name, id=name, marks=[MARKS[SERVERS[name]]] if SERVERS.get(name) in MARKS else [])
+    for name in ALL_PAGES
+    if name not in WITHOUT_SAMPLES and name not in DJANGO_PAGES
 ]
 
 
@@ -61,7 +84,8 @@ def redis_dbs(redis_server: RedisServer) -> Iterator[dict[str, str]]:
     redis_server.flush(BROKER_DB, BACKEND_DB)
 
 
-def _sqs(request: pytest.FixtureRequest) -> dict[str, str]:
+@pytest.fixture
+def docs_sqs(request: pytest.FixtureRequest) -> dict[str, str]:
     """``native.md`` talks to SQS: a moto server stands in for it."""
     server = request.getfixturevalue("sqs_server")
     return {
@@ -70,22 +94,67 @@ def _sqs(request: pytest.FixtureRequest) -> dict[str, str]:
     }
 
 
-@pytest.mark.parametrize("page", PAGES)
+@pytest.fixture
+def docs_postgres(postgres_server: PostgresServer) -> Iterator[dict[str, str]]:
+    """The pages' PostgreSQL URLs, on a database of their own, dropped afterwards."""
+    with postgres_server.connect() as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {DOCS_DATABASE}")
+        conn.execute(f"CREATE DATABASE {DOCS_DATABASE}")
+    url = "db+" + postgres_server.url().rsplit("/", 1)[0] + "/" + DOCS_DATABASE
+    yield {
+        "db+postgresql+psycopg://app@db.internal/app": url,
+        "db+postgresql+psycopg://app@db/app": url,
+    }
+    with postgres_server.connect() as conn:
+        conn.execute(f"DROP DATABASE {DOCS_DATABASE} WITH (FORCE)")
+
+
+@pytest.fixture
+def docs_memcached(
+    memcached_pair: tuple[MemcachedServer, MemcachedServer],
+) -> dict[str, str]:
+    """The page's two memcached servers, two fresh ones."""
+    first, second = memcached_pair
+    return {"10.0.0.7:11211": f"127.0.0.1:{first.port}",
+            "10.0.0.8:11211": f"127.0.0.1:{second.port}"}
+
+
+@pytest.fixture
+def docs_redis_cluster(redis_cluster: RedisClusterServer) -> Iterator[dict[str, str]]:
+    """The page's cluster node; the test cluster has no password."""
+    redis_cluster.flush()
+    yield {"10.0.0.5:7000": f"127.0.0.1:{redis_cluster.ports[0]}",
+           '{"password": "…"}': '{"password": None}'}
+    redis_cluster.flush()
+
+
+@pytest.mark.parametrize("name", PAGES)
 def test_page_samples_run(
-    page: Path, redis_dbs: dict[str, str], tmp_path: Path, request: pytest.FixtureRequest
+    name: str, redis_dbs: dict[str, str], tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     """The page's Python samples run in order; its ``celery … dedup`` output matches."""
-    if not any(s.lang in ("python", "console") for s in samples(page.read_text())):
-        pytest.skip("no Python or console sample")
-    if page.name == "native.md":
-        redis_dbs = {**redis_dbs, **_sqs(request)}
+    substitutions = dict(redis_dbs)
+    if name in SERVERS:
+        substitutions.update(request.getfixturevalue(SERVERS[name]))
     done = subprocess.run(
-        [sys.executable, "-m", "tests.docs.samples", str(page), str(tmp_path)],
+        [sys.executable, "-m", "tests.docs.samples", str(ROOT / name), str(tmp_path)],
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "DOCS_SUBSTITUTIONS": json.dumps(redis_dbs)},
+        env={**os.environ, "PYTHONPATH": str(ROOT),
+             "DOCS_SUBSTITUTIONS": json.dumps(substitutions)},
         capture_output=True, text=True, timeout=240, check=False,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_pages_without_samples_are_the_listed_ones() -> None:
+    """Every page has a sample to run, except the listed ones (each with its reason)."""
+    assert {name for name in ALL_PAGES if not runnable(ROOT / name)} == set(WITHOUT_SAMPLES)
+
+
+def test_lists_name_pages_with_samples() -> None:
+    """``SERVERS`` and ``DJANGO_PAGES`` name existing pages that have samples."""
+    with_samples = set(ALL_PAGES) - set(WITHOUT_SAMPLES)
+    assert not (set(SERVERS) | DJANGO_PAGES) - with_samples
 
 
 def test_samples_are_found_in_lists_and_admonitions() -> None:
