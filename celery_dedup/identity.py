@@ -138,6 +138,8 @@ def digest(material: str) -> str:
     return hashlib.sha256(material.encode("utf-8", "surrogatepass")).hexdigest()
 
 
+_EMPTY: Final = inspect.Parameter.empty
+
 #: Serializers whose round trip changes nothing a key depends on.
 _IDENTITY_SERIALIZERS: Final = frozenset({"pickle"})
 
@@ -154,11 +156,38 @@ def as_delivered(
     """
     if serializer in _IDENTITY_SERIALIZERS:
         return args or (), kwargs or {}
+    if serializer == "json" and _json_stable(args or ()) and _json_stable(kwargs or {}):
+        # Plain JSON data comes back unchanged: skip the encode/decode round trip.
+        return list(args or ()), dict(kwargs or {})
     from kombu.serialization import dumps, loads
 
     content_type, encoding, data = dumps([list(args or ()), dict(kwargs or {})], serializer)
     delivered_args, delivered_kwargs = loads(data, content_type, encoding)
     return delivered_args, delivered_kwargs
+
+
+_SCALARS: Final = frozenset({str, int, float, bool, type(None)})
+
+
+def _json_stable(value: Any, depth: int = 0) -> bool:
+    """Whether a JSON round trip returns ``value`` unchanged (exact types, str keys).
+
+    A top-level tuple is fine (arguments are delivered as a list and bound
+    positionally); a nested one is not (it comes back a list). Non-finite
+    floats are left to the round trip (and then refused by the key).
+    """
+    kind = type(value)
+    if kind in _SCALARS:
+        return kind is not float or math.isfinite(value)
+    if depth > 32:
+        return False
+    if kind is list or (kind is tuple and depth == 0):
+        return all(_json_stable(item, depth + 1) for item in value)
+    if kind is dict:
+        return all(
+            type(key) is str and _json_stable(item, depth + 1) for key, item in value.items()
+        )
+    return False
 
 
 def lock_key(prefix: str, task_name: str, material: str) -> str:
@@ -212,18 +241,60 @@ class ArgumentBinder:
             if unknown:
                 raise InvalidOptionError("unique_on", unique_on, list(self.signature.parameters))
             self.unique_on = names
+        parameters = list(self.signature.parameters.values())
+        plain = all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in parameters)
+        #: parameter names and defaults when ``_bind_simple`` applies (no ``*args``…)
+        self._names = tuple(p.name for p in parameters) if plain else None
+        self._defaults = {p.name: p.default for p in parameters}
 
     def bind(self, args: Iterable[Any] | None, kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
         """The arguments of a call as ``{parameter: value}`` with defaults applied."""
+        arguments = self._bind_simple(args, kwargs)
+        if arguments is not None:
+            return self._restrict(arguments)
         try:
             bound = self.signature.bind(*(args or ()), **(kwargs or {}))
         except TypeError as exc:
             raise TypeError(f"{self.task_name}{self.signature}: {exc}") from None
         bound.apply_defaults()
-        arguments = dict(bound.arguments)
-        if self.unique_on is not None:
-            arguments = {name: arguments[name] for name in self.unique_on}
-        return arguments
+        return self._restrict(dict(bound.arguments))
+
+    def _restrict(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        if self.unique_on is None:
+            return arguments
+        return {name: arguments[name] for name in self.unique_on}
+
+    def _bind_simple(
+        self, args: Iterable[Any] | None, kwargs: Mapping[str, Any] | None
+    ) -> dict[str, Any] | None:
+        """``bind`` without ``inspect`` for plain parameters, or ``None`` to bind generically.
+
+        Handles only calls that bind without error to a signature of plain
+        positional-or-keyword parameters; anything else (``*args``, keyword-only,
+        a missing or unknown argument) goes through ``Signature.bind``,
+        which gives the same mapping or raises the error.
+        """
+        names, defaults = self._names, self._defaults
+        if names is None:
+            return None
+        given = tuple(args or ())
+        if len(given) > len(names):
+            return None
+        arguments = dict(zip(names, given, strict=False))
+        for name, value in (kwargs or {}).items():
+            if name in arguments or name not in defaults:
+                return None
+            arguments[name] = value
+        if len(arguments) < len(names):
+            for name in names[len(given) :]:
+                if name not in arguments:
+                    default = defaults[name]
+                    if default is _EMPTY:
+                        return None
+                    arguments[name] = default
+        # Parameter order, as Signature.bind gives it.
+        return {name: arguments[name] for name in names}
+
 
     def identity(
         self,

@@ -11,8 +11,10 @@ after ``reset_runtime(app)`` (the Django app does it on ``setting_changed``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -139,6 +141,13 @@ class Runtime:
         self._store_resolved = False
         self._store_lock = threading.Lock()
         self._warned: set[str] = set()
+        #: (key, owner, deadline) of acquires that failed with the store
+        #: unreachable: such a write may still land when the store answers
+        #: again (a paused server runs what it had read). Unless the call's
+        #: message carries the owner token, a sweeper thread releases it
+        #: (owner-checked) until a release deletes it or its TTL has passed.
+        self.orphans: list[tuple[str, str, float]] = []
+        self._sweeper: threading.Thread | None = None
         #: counters not yet flushed to the store
         self.metrics = Metrics(
             lambda: self.store,
@@ -194,6 +203,39 @@ class Runtime:
                         )
                     self._store_resolved = True
         return self._store
+
+    def add_orphan(self, key: str, owner: str, ttl: float) -> tuple[str, str, float]:
+        """Remember a failed acquire whose lock may still land (see ``orphans``)."""
+        orphan = (key, owner, time.monotonic() + ttl)
+        self.orphans.append(orphan)
+        with self._store_lock:
+            if self._sweeper is None or not self._sweeper.is_alive():
+                self._sweeper = threading.Thread(
+                    target=self._sweep_orphans, name="celery-dedup-orphans", daemon=True
+                )
+                self._sweeper.start()
+        return orphan
+
+    def forget_orphan(self, orphan: tuple[str, str, float]) -> None:
+        """The call's message carries the owner token: it owns such a lock."""
+        with contextlib.suppress(ValueError):
+            self.orphans.remove(orphan)
+
+    def _sweep_orphans(self) -> None:
+        delay = 0.1
+        while self.orphans:
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+            store = self._store
+            for orphan in list(self.orphans):
+                key, owner, deadline = orphan
+                try:
+                    released = store is not None and store.release(key, owner)
+                except Exception:  # unreachable still: try again later
+                    continue
+                if released or time.monotonic() > deadline or store is None:
+                    self.forget_orphan(orphan)
+                    delay = 0.1
 
     def use_store(self, store: LockStore | None) -> None:
         """Replace the store (tests, or a store built by hand)."""

@@ -407,7 +407,14 @@ class DedupTask(_Task):
             else:
                 holder = store.acquire(key, owner, ttl, meta)
         except StoreUnavailable as exc:
-            return self._publish_unlocked(exc, key, task_id, publish)
+            # The write may still land when the store answers again (a paused
+            # or slow server): the published message carries the owner token,
+            # so it owns and releases such a lock; if nothing is published,
+            # the lock is released as soon as the store answers.
+            orphan = runtime.add_orphan(key, owner, ttl)
+            result = self._publish_unlocked(exc, key, task_id, publish, header)
+            runtime.forget_orphan(orphan)
+            return result
 
         if holder is not None:
             return self._held(call, key, holder, task_id, args, kwargs, options, publish)
@@ -432,12 +439,15 @@ class DedupTask(_Task):
         key: str,
         task_id: str,
         publish: Callable[[str, LockHeader], Any],
+        header: LockHeader = NO_LOCK,
     ) -> Any:
         """No lock could be taken: apply ``dedup_fallback``, then publish.
 
         A publish from inside a worker (a chain step, a callback, a chord
         body) is never refused: the parent already did its work, and
-        failing it for a dedup reason would fail its whole canvas.
+        failing it for a dedup reason would fail its whole canvas. The
+        message carries ``header`` (its owner token, when an acquire was
+        attempted): its start claim takes or confirms the lock.
         """
         try:
             self.dedup_config().runtime.fall_back(self.name, error)
@@ -450,7 +460,7 @@ class DedupTask(_Task):
                 self.name,
                 exc,
             )
-        return mark_result(publish(task_id, NO_LOCK), key)
+        return mark_result(publish(task_id, header), key, header.token)
 
     def _held(
         self,

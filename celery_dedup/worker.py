@@ -168,7 +168,9 @@ def republish_as_holder(
         )
         try:
             # Queued again: not started, so a revoke meanwhile releases at once.
-            if not store.settle(header.key, owner, ttl):
+            # A replace-mode message that lost its lock may have been
+            # replaced: its start claim decides, re-taking nothing here.
+            if not store.settle(header.key, owner, ttl) and not header.replace:
                 holder = store.acquire(
                     header.key, owner, ttl, meta_for(task, task_id, header.until)
                 )
@@ -518,6 +520,12 @@ def _release_revoked(
         header = guard_header_of(sender, request)
     if header is None or header.key is None:
         return
+    if request.id == deterministic_task_id(header.key):
+        # Celery remembers an expired (or revoked) id for hours and would
+        # silently discard every later run of this key, which reuses it.
+        from celery.worker import state as worker_state
+
+        worker_state.revoked.discard(request.id)
     if not (header.until.releases_on_revoke() or _is_guard(header)):
         return
     store = sender.dedup_config().runtime.store

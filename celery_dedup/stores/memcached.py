@@ -32,7 +32,7 @@ does not answer makes its own keys raise ``StoreUnavailable``; moving them to
 another server would let a second producer take a lock that is still held.
 
 memcached cannot list its keys on the data path, so ``scan`` and
-``read_counts`` walk the server with ``lru_crawler metadump all`` (memcached
+``read_counts`` walk the server with ``lru_crawler metadump hash`` (memcached
 1.4.31+, on by default); nothing is added to ``acquire`` to keep an index.
 
 pymemcache is imported only by the functions that use it.
@@ -778,7 +778,7 @@ class MemcachedStore(CacheLocks):
             yield from locks
 
     def _dump_keys(self) -> list[str]:
-        """Every key of every server (``lru_crawler metadump all``), unquoted."""
+        """Every key of every server (``lru_crawler metadump hash``), unquoted."""
         keys: list[str] = []
         for server in self.servers:
             keys.extend(self._dump_server(server))
@@ -843,7 +843,7 @@ class MemcachedStore(CacheLocks):
 
 
 def _metadump(server: Server, options: Mapping[str, Any]) -> str:
-    """The answer to ``lru_crawler metadump all`` on a dedicated connection.
+    """The answer to ``lru_crawler metadump hash`` on a dedicated connection.
 
     Dump lines end in ``\\n``; the answer ends at the first ``\\r\\n`` (after
     ``END``, or an error line). Read here rather than with pymemcache's
@@ -862,7 +862,7 @@ def _metadump(server: Server, options: Mapping[str, Any]) -> str:
     if tls is not None and not isinstance(server, str):
         sock = tls.wrap_socket(sock, server_hostname=server[0])
     with sock:
-        sock.sendall(b"lru_crawler metadump all\r\n")
+        sock.sendall(b"lru_crawler metadump hash\r\n")
         chunks: list[bytes] = []
         while True:
             chunk = sock.recv(65536)

@@ -1,0 +1,110 @@
+"""The Celery app of the reliability suite, for producers and worker subprocesses alike.
+
+One task, ``rel.work(n, plan)``: its identity is ``n`` alone
+(``unique_on``), and ``plan`` says what the body does (sleep, hang on its
+first runs, retry, fail), so one key can see every behaviour. The body
+records its start and its end (in a ``finally``: every exit but a SIGKILL
+writes one) to the recorder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+from typing import Any, cast
+
+from celery import Celery
+
+from celery_dedup import DedupTask
+
+from .probe import Recorder, body_event, install_worker_probes
+
+__all__ = ["WORK", "PlannedFailure", "from_env", "make_app", "work_task"]
+
+#: the task every scenario runs
+WORK = "rel.work"
+
+#: Environment variables a worker subprocess reads its configuration from.
+CONF_ENV = "REL_CONF"
+RECORDER_ENV = "REL_RECORDER"
+
+
+class PlannedFailure(Exception):
+    """The failure a plan asked for."""
+
+
+def run_plan(task: Any, recorder: Recorder, n: int, plan: Mapping[str, Any]) -> int:
+    """What ``rel.work`` does, as ``plan`` says.
+
+    ``sleep``: seconds of work; ``hang`` and ``hang_runs``: sleep ``hang``
+    seconds instead on the first ``hang_runs`` runs of a try (to be killed
+    there); ``retries`` and ``retry_countdown``: retry that many times;
+    ``fail``: raise on the last try.
+    """
+    retries = int(task.request.retries or 0)
+    start = body_event(task, recorder, "start")
+    run = recorder.next_run(start.token, retries)
+    outcome, countdown = "failure", 0.0
+    try:
+        hanging = run <= int(plan.get("hang_runs", 0))
+        time.sleep(float(plan["hang"] if hanging else plan.get("sleep", 0.0)))
+        if retries < int(plan.get("retries", 0)):
+            outcome, countdown = "retry", float(plan.get("retry_countdown", 0.1))
+        elif not plan.get("fail"):
+            outcome = "success"
+    finally:
+        body_event(task, recorder, "end", outcome=outcome, countdown=countdown)
+    if outcome == "retry":
+        raise task.retry(countdown=countdown)
+    if outcome == "failure":
+        raise PlannedFailure(f"planned failure of {n}")
+    return n
+
+
+def make_app(conf: Mapping[str, Any], recorder_url: str, *, probes: bool = False) -> Celery:
+    """An app with ``rel.work`` on ``conf``; ``probes`` records worker signals (workers only)."""
+    app = Celery("reliability", set_as_current=False)
+    app.conf.update(
+        {
+            "task_default_queue": "rel",
+            "broker_connection_retry_on_startup": True,
+            "worker_prefetch_multiplier": 1,
+            "result_expires": None,
+            "task_track_started": False,
+            **conf,
+        }
+    )
+    recorder = Recorder(recorder_url)
+
+    @app.task(
+        base=DedupTask,
+        bind=True,
+        shared=False,
+        name=WORK,
+        unique_on=("n",),
+        unique_for=30,
+        max_retries=5,
+    )
+    def work(self: Any, n: int, plan: dict[str, Any]) -> int:
+        return run_plan(self, recorder, n, plan)
+
+    if probes:
+        install_worker_probes(recorder)
+    return app
+
+
+def work_task(app: Celery) -> DedupTask:
+    """The app's ``rel.work``."""
+    return cast(DedupTask, app.tasks[WORK])
+
+
+def worker_env(conf: Mapping[str, Any], recorder_url: str) -> dict[str, str]:
+    """The environment variables ``from_env`` reads."""
+    return {CONF_ENV: json.dumps(dict(conf)), RECORDER_ENV: recorder_url}
+
+
+def from_env() -> Celery:
+    """The worker subprocess's app (``tests.reliability.worker_app``)."""
+    return make_app(json.loads(os.environ[CONF_ENV]), os.environ[RECORDER_ENV], probes=True)

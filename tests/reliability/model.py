@@ -1,0 +1,650 @@
+"""The lock lifecycle model and its checker.
+
+A run is recorded as a ``Trace``: what each producer saw around every
+``apply_async`` (``Call``) and ``celery_dedup.revoke`` (``Revoke``), what the
+workers wrote from inside each message (``Event``: signals and the task body),
+and periodic scans of the store (``Scan``). Every timestamp is ``time.time()``
+on one machine, the clock Redis expires keys by.
+
+From the trace the checker derives, for every published message (a
+*holding*: one owner token, kept across its retries), two instants:
+
+- ``must_hold_until`` (``L``): the earliest moment its policy, its TTL, a
+  replacing call or a revoke allows its lock to end. The lock is certainly
+  held from the end of its ``apply_async`` until ``L``.
+- ``gone_by`` (``U``): the latest moment its lock can still exist, from its
+  maximal TTL (including retry extensions and start-claim retakes) and the
+  events after which the policy says it is released.
+
+Every bound is taken on the safe side of each recorded instant (a producer's
+``t0`` precedes the acquire, a body's start record follows the start claim, a
+``task_postrun`` record follows the release, a body's end record precedes it),
+plus a margin, so a finding is certain: it cannot be explained by the
+unknown order of events inside the recorded intervals.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from itertools import pairwise
+
+__all__ = [
+    "FINAL_STATES",
+    "MARGIN",
+    "Call",
+    "Event",
+    "Finding",
+    "Holding",
+    "Kind",
+    "Revoke",
+    "Scan",
+    "Seen",
+    "Trace",
+    "check",
+    "summary",
+    "unfinished",
+]
+
+#: Seconds added on the safe side of every comparison (millisecond TTLs,
+#: the time between taking a timestamp and the operation it brackets).
+MARGIN = 0.05
+
+INF = math.inf
+
+#: ``task_postrun`` states after which a message never runs again.
+FINAL_STATES = frozenset({"SUCCESS", "FAILURE", "IGNORED", "REJECTED", "REVOKED"})
+
+
+class Kind(str, Enum):
+    """What a finding is."""
+
+    #: a publish or an execution inside another holder's certain interval, or
+    #: one message's body run again after it completed
+    DUPLICATE = "duplicate"
+    #: a call suppressed by a holder that had certainly released
+    STALE = "stale suppression"
+    #: a lock seen after its holder certainly released it, or living past its TTL
+    LEAK = "leak"
+    #: a lock absent while its holder certainly had to hold it
+    MISSING = "missing lock"
+    #: a published message that never reached a final state and was not revoked
+    LOST = "lost message"
+    #: the body of a message whose revoke released its lock ran anyway
+    REVOKED_RAN = "revoked ran"
+
+
+@dataclass(frozen=True)
+class Call:
+    """One ``apply_async`` as its producer saw it."""
+
+    key: str
+    #: ``unique_until`` of the call
+    until: str
+    unique_for: float
+    #: just before ``apply_async`` was called
+    t0: float
+    #: just after it returned or raised
+    t1: float
+    #: ``published``, ``deduplicated``, ``raised`` (``DuplicateTaskError``) or
+    #: ``failed`` (any other error: the lock must have been rolled back)
+    outcome: str
+    #: the published message's id, or the holder's id for a suppressed call
+    task_id: str
+    #: the owner token the call published (``published`` and ``failed``)
+    token: str = ""
+    replace: bool = False
+    countdown: float = 0.0
+    #: the message's ``expires`` as epoch seconds
+    expires_at: float | None = None
+
+
+@dataclass(frozen=True)
+class Revoke:
+    """One ``celery_dedup.revoke(result)`` as its caller saw it."""
+
+    key: str
+    task_id: str
+    t0: float
+    t1: float
+    #: the ``RevokeOutcome`` value returned
+    outcome: str
+
+
+@dataclass(frozen=True)
+class Event:
+    """A record written on a worker.
+
+    ``kind`` is ``prerun`` (``task_prerun``: before the start claim),
+    ``start`` (first line of the body: after the claim), ``end`` (last line
+    of the body: before the release; ``outcome`` is ``success``, ``failure``
+    or ``retry``), ``postrun`` (``task_postrun``: after the release;
+    ``outcome`` is the state), ``skipped`` (``task_skipped``) or ``revoked``
+    (``task_revoked``, recorded after celery-dedup's own receiver released).
+    """
+
+    kind: str
+    token: str
+    task_id: str
+    t: float
+    retries: int = 0
+    outcome: str = ""
+    #: the retry's countdown, on an ``end`` with outcome ``retry``
+    countdown: float = 0.0
+    pid: int = 0
+
+
+@dataclass(frozen=True)
+class Seen:
+    """A lock as a scan saw it."""
+
+    key: str
+    owner: str
+    task_id: str
+    expires_at: float
+
+
+@dataclass(frozen=True)
+class Scan:
+    """A store scan started at ``t0`` and finished at ``t1``."""
+
+    t0: float
+    t1: float
+    locks: tuple[Seen, ...]
+
+
+@dataclass
+class Trace:
+    """Everything recorded during one run."""
+
+    calls: list[Call] = field(default_factory=list)
+    revokes: list[Revoke] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+    scans: list[Scan] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        """The trace as JSON (kept next to a failing run's logs)."""
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Trace:
+        """Read a trace written by ``to_json``."""
+        raw = json.loads(text)
+        return cls(
+            calls=[Call(**c) for c in raw["calls"]],
+            revokes=[Revoke(**r) for r in raw["revokes"]],
+            events=[Event(**e) for e in raw["events"]],
+            scans=[
+                Scan(s["t0"], s["t1"], tuple(Seen(**seen) for seen in s["locks"]))
+                for s in raw["scans"]
+            ],
+        )
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A certain violation of a guarantee."""
+
+    kind: Kind
+    key: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.kind.value}: {self.detail} (key …{self.key[-12:]})"
+
+
+@dataclass
+class Holding:
+    """One published message's lock, from its publish to its final state."""
+
+    call: Call
+    events: list[Event] = field(default_factory=list)
+    #: earliest moment the lock may end (see the module docstring)
+    must_hold_until: float = INF
+    #: latest moment the lock may still exist
+    gone_by: float = INF
+    #: latest moment the lock may expire by its TTL
+    expires_by: float = INF
+
+    @property
+    def token(self) -> str:
+        return self.call.token
+
+    @property
+    def key(self) -> str:
+        return self.call.key
+
+    def of(self, *kinds: str) -> list[Event]:
+        """This holding's events of the given kinds, in time order."""
+        return [e for e in self.events if e.kind in kinds]
+
+    def first(self, kind: str, outcomes: Iterable[str] | None = None) -> float:
+        """When the first event of ``kind`` (with one of ``outcomes``) was recorded."""
+        wanted = None if outcomes is None else set(outcomes)
+        times = [e.t for e in self.of(kind) if wanted is None or e.outcome in wanted]
+        return min(times, default=INF)
+
+    def finished(self) -> bool:
+        """Whether the message reached a state after which it never runs."""
+        return any(
+            e.kind in ("skipped", "revoked")
+            or (e.kind == "postrun" and e.outcome in FINAL_STATES)
+            for e in self.events
+        )
+
+
+class _Checker:
+    def __init__(self, trace: Trace, margin: float, ttl_slack: float = 0.0) -> None:
+        self.trace = trace
+        self.m = margin
+        self.ttl_slack = ttl_slack
+        self.findings: list[Finding] = []
+        #: holdings published while another had to hold the key: their own
+        #: interval proves nothing (the store may never have locked them)
+        self.intruders: set[str] = set()
+        by_token: dict[str, list[Event]] = defaultdict(list)
+        for event in sorted(trace.events, key=lambda e: e.t):
+            by_token[event.token].append(event)
+        self.holdings = [
+            Holding(call, by_token.get(call.token, []))
+            for call in trace.calls
+            if call.outcome in ("published", "failed") and call.token
+        ]
+        self.by_key: dict[str, list[Holding]] = defaultdict(list)
+        for holding in self.holdings:
+            self.by_key[holding.key].append(holding)
+        self.by_token = {h.token: h for h in self.holdings}
+        self.revokes_of: dict[tuple[str, str], list[Revoke]] = defaultdict(list)
+        for revoke in trace.revokes:
+            self.revokes_of[(revoke.key, revoke.task_id)].append(revoke)
+        for holding in self.holdings:
+            self._bound(holding)
+
+    def report(self, kind: Kind, key: str, detail: str) -> None:
+        self.findings.append(Finding(kind, key, detail))
+
+    # -- bounds -------------------------------------------------------------
+
+    def _bound(self, h: Holding) -> None:
+        call = h.call
+        if call.outcome == "failed" and not h.events:
+            # The publish raised: the lock was rolled back before the error.
+            h.must_hold_until, h.gone_by, h.expires_by = -INF, call.t1, call.t1
+            return
+        ttl = call.unique_for + call.countdown
+        h.expires_by = self._expires_by(h, ttl)
+        h.gone_by = min(h.expires_by, self._released_by(h))
+        if call.outcome == "failed":
+            # Rolled back, yet the broker enqueued it after all: it holds only
+            # what its start claim may retake, never certainly.
+            h.must_hold_until = -INF
+        else:
+            h.must_hold_until = min(call.t0 + ttl, self._earliest_release(h))
+
+    def _earliest_release(self, h: Holding) -> float:
+        """The first moment anything may end ``h``'s lock besides its TTL."""
+        call, until = h.call, h.call.until
+        earliest = INF
+        if until == "start":
+            earliest = h.first("prerun")
+        elif until == "success":
+            earliest = h.first("end", ["success"])
+        elif until == "finish":
+            earliest = h.first("end", ["success", "failure"])
+        if until != "expiry":
+            if call.expires_at is not None:
+                earliest = min(earliest, max(call.t0, call.expires_at))
+            if h.of("revoked"):
+                # Dropped by a worker, which releases; whether the drop was
+                # right is judged on its own (lost messages).
+                earliest = call.t0
+        # A revoke by task id reaches every run sharing that id (deterministic ids).
+        for revoke in self.revokes_of.get((call.key, call.task_id), []):
+            if revoke.t1 > call.t0:
+                earliest = min(earliest, max(call.t0, revoke.t0))
+        for other in self.by_key[call.key]:
+            if other is not h and other.call.replace and other.call.t1 > call.t0:
+                earliest = min(earliest, max(call.t0, other.call.t0))
+        return earliest
+
+    def _expires_by(self, h: Holding, ttl: float) -> float:
+        """The latest expiry: the first TTL, a retry's extension, a start claim's retake."""
+        call = h.call
+        latest = call.t1 + ttl + self.ttl_slack
+        postruns = {e.retries: e.t for e in h.of("postrun")}
+        body_retries = {e.retries for e in h.of("end") if e.outcome == "retry"}
+        if any(e.outcome == "RETRY" and e.retries not in body_retries for e in h.of("postrun")):
+            # Retried before its body ran (a replaced message waiting for its
+            # replacement): the retry's delay is not recorded.
+            return INF
+        for end in h.of("end"):
+            if end.outcome == "retry":
+                # The retry extends before its attempt's task_postrun is recorded.
+                extended = postruns.get(end.retries, INF)
+                extension = end.countdown + call.unique_for + self.ttl_slack
+                latest = max(latest, extended + extension)
+        if call.until in ("success", "finish"):
+            for start in h.of("start"):
+                latest = max(latest, start.t + call.unique_for + self.ttl_slack)
+        return latest
+
+    def _released_by(self, h: Holding) -> float:
+        """The latest moment the policy (or a skip, revoke, replace) has removed the lock."""
+        call, until = h.call, h.call.until
+        latest = INF
+        if until == "start":
+            # A retry publish takes the lock again: only the last try's claim ends it.
+            last_tries = {e.retries for e in h.of("end") if e.outcome != "retry"}
+            latest = min((e.t for e in h.of("start") if e.retries in last_tries), default=INF)
+        elif until == "success":
+            latest = h.first("postrun", ["SUCCESS"])
+        elif until == "finish":
+            latest = h.first("postrun", ["SUCCESS", "FAILURE"])
+        # A skipped start claim found another holder or deleted the revoked lock.
+        latest = min(latest, h.first("skipped"))
+        if until != "expiry":
+            latest = min(latest, h.first("revoked"))
+        for revoke in self.revokes_of.get((call.key, call.task_id), []):
+            if revoke.outcome == "released" and self._revoked_holding(revoke) is h:
+                latest = min(latest, revoke.t1)
+        for other in self.by_key[call.key]:
+            if other is not h and other.call.replace and other.call.t0 > call.t1:
+                latest = min(latest, other.call.t1)
+        return latest
+
+    def _revoked_holding(self, revoke: Revoke) -> Holding | None:
+        """The one holding a ``released`` revoke can have released, if only one can."""
+        candidates = [
+            h
+            for h in self.by_key[revoke.key]
+            if h.call.task_id == revoke.task_id
+            and h.call.outcome == "published"
+            and h.call.t0 < revoke.t1
+        ]
+        if len(candidates) == 1:
+            return candidates[0]
+        # Several runs share the id: only one whose lock could still exist.
+        alive = [h for h in candidates if self._provisional_gone_by(h) + self.m >= revoke.t0]
+        return alive[0] if len(alive) == 1 else None
+
+    def _provisional_gone_by(self, h: Holding) -> float:
+        call = h.call
+        return self._expires_by(h, call.unique_for + call.countdown)
+
+    # -- checks -------------------------------------------------------------
+
+    def certain(self, h: Holding) -> tuple[float, float]:
+        """The interval in which ``h`` certainly holds its lock (empty for an intruder)."""
+        if h.token in self.intruders:
+            return INF, -INF
+        return h.call.t1 + self.m, h.must_hold_until - self.m
+
+    def check_publishes(self) -> None:
+        """Two publishes that both took the key while the other had to hold it.
+
+        Ordered calls: the later one acquired inside the earlier one's
+        interval. Overlapping calls (order unknown): both orders are
+        violations when each call ended before the other's lock could end.
+        A replacing call may take over, so it is only reported when it came
+        first and a plain call published inside its interval.
+        """
+        for holdings in self.by_key.values():
+            published = [h for h in holdings if h.call.outcome == "published"]
+            for i, old in enumerate(published):
+                for new in published[i + 1 :]:
+                    self._check_pair(*sorted((old, new), key=lambda h: h.call.t0))
+
+    def _check_pair(self, old: Holding, new: Holding) -> None:
+        if old.token in self.intruders or new.token in self.intruders:
+            return
+        ordered = new.call.t0 >= old.call.t1 + self.m
+        if ordered:
+            if new.call.replace or new.call.t1 > old.must_hold_until - self.m:
+                return
+            self.intruders.add(new.token)
+            detail = f"{new.call.t0 - old.call.t1:.3f}s after {old.call.task_id} was published"
+        else:
+            if old.call.replace or new.call.replace:
+                return
+            if max(old.call.t1, new.call.t1) + self.m > min(
+                old.must_hold_until, new.must_hold_until
+            ):
+                return
+            self.intruders.update((old.token, new.token))
+            detail = f"at the same time as {old.call.task_id}"
+        self.report(
+            Kind.DUPLICATE,
+            new.key,
+            f"{new.call.task_id} was published while {old.call.task_id} had to hold the "
+            f"lock ({detail})",
+        )
+
+    def check_executions(self) -> None:
+        for holdings in self.by_key.values():
+            for runner in holdings:
+                for start_event, prerun in self._runs(runner):
+                    for old in holdings:
+                        begin, end = self.certain(old)
+                        if old is not runner and begin <= prerun and start_event.t <= end:
+                            self.report(
+                                Kind.DUPLICATE,
+                                runner.key,
+                                f"{runner.call.task_id} (try {start_event.retries}) ran "
+                                f"while {old.call.task_id} had to hold the lock",
+                            )
+                self._check_reruns(runner)
+
+    def _runs(self, h: Holding) -> list[tuple[Event, float]]:
+        """Each body start with the latest ``task_prerun`` before it (claim in between)."""
+        runs = []
+        for start in h.of("start"):
+            preruns = [
+                e.t for e in h.of("prerun") if e.retries == start.retries and e.t <= start.t
+            ]
+            if preruns:
+                runs.append((start, max(preruns)))
+        return runs
+
+    def _check_reruns(self, h: Holding) -> None:
+        """One try of one message started again after a run of it completed.
+
+        A run killed mid-body (no end record) may be redelivered; a run that
+        reached its last line must never be repeated, nor overlapped.
+        """
+        starts: dict[int, list[Event]] = defaultdict(list)
+        for start in h.of("start"):
+            starts[start.retries].append(start)
+        for retries, runs in starts.items():
+            for first, second in pairwise(runs):
+                if self._completed(h, first, runs):
+                    self.report(
+                        Kind.DUPLICATE,
+                        h.key,
+                        f"{h.call.task_id} try {retries} started again (pid {second.pid}) "
+                        f"after pid {first.pid} ran it to its end",
+                    )
+
+    @staticmethod
+    def _completed(h: Holding, run: Event, runs: Sequence[Event]) -> bool:
+        """Whether ``run`` wrote its end record (before the same child's next start)."""
+        later = [r.t for r in runs if r.pid == run.pid and r.t > run.t]
+        until = min(later, default=INF)
+        return any(
+            e.retries == run.retries and e.pid == run.pid and run.t <= e.t < until
+            for e in h.of("end")
+        )
+
+    def check_suppressions(self) -> None:
+        for call in self.trace.calls:
+            if call.outcome not in ("deduplicated", "raised"):
+                continue
+            holders = [
+                h
+                for h in self.by_key.get(call.key, [])
+                if h.call.task_id == call.task_id
+            ]
+            if not any(h.call.t0 < call.t1 for h in holders):
+                self.report(
+                    Kind.STALE,
+                    call.key,
+                    f"suppressed by {call.task_id}, which no earlier call published",
+                )
+            elif all(h.gone_by + self.m < call.t0 for h in holders):
+                late = call.t0 - max(h.gone_by for h in holders)
+                self.report(
+                    Kind.STALE,
+                    call.key,
+                    f"suppressed by {call.task_id} {late:.3f}s after it released",
+                )
+
+    def check_scans(self) -> None:
+        for scan in self.trace.scans:
+            seen = {lock.owner: lock for lock in scan.locks}
+            for lock in scan.locks:
+                self._check_seen(scan, lock)
+            for h in self.holdings:
+                start, end = self.certain(h)
+                if start <= scan.t0 and scan.t1 <= end and h.token not in seen:
+                    self.report(
+                        Kind.MISSING,
+                        h.key,
+                        f"{h.call.task_id} ({h.call.until}) had to hold the lock during a "
+                        f"scan {scan.t0 - h.call.t1:.3f}s after its publish",
+                    )
+
+    def _check_seen(self, scan: Scan, lock: Seen) -> None:
+        h = self.by_token.get(lock.owner)
+        if h is None:
+            if not lock.owner.startswith("guard:"):
+                self.report(Kind.LEAK, lock.key, f"lock of {lock.task_id} has an unknown owner")
+            return
+        if h.gone_by + self.m < scan.t0:
+            self.report(
+                Kind.LEAK,
+                lock.key,
+                f"lock of {h.call.task_id} ({h.call.until}, {h.call.outcome}) seen "
+                f"{scan.t0 - h.gone_by:.3f}s after it had to be gone",
+            )
+            return
+        # The scan read the TTL somewhere in [t0, t1]: the lock lives at least this long.
+        expires_no_earlier = scan.t0 + (lock.expires_at - scan.t1)
+        if expires_no_earlier > h.expires_by + self.m:
+            self.report(
+                Kind.LEAK,
+                lock.key,
+                f"lock of {h.call.task_id} lives {expires_no_earlier - h.expires_by:.3f}s "
+                "past its TTL",
+            )
+
+    def check_revokes(self) -> None:
+        for revoke in self.trace.revokes:
+            if revoke.outcome != "released":
+                continue
+            h = self._revoked_holding(revoke)
+            if h is None:
+                continue
+            # Released: no try had started; any later start claim must find the marker.
+            late = [start for start, prerun in self._runs(h) if prerun >= revoke.t1 + self.m]
+            if late:
+                self.report(
+                    Kind.REVOKED_RAN,
+                    h.key,
+                    f"{h.call.task_id} try {late[0].retries} ran {late[0].t - revoke.t1:.3f}s "
+                    "after its revoke released its lock",
+                )
+
+    def check_lost(self) -> None:
+        """Never finished and not revoked; or dropped by a worker for no reason of its own."""
+        for h in self.holdings:
+            if h.call.outcome != "published":
+                continue
+            if h.finished():
+                self._check_dropped(h)
+                continue
+            if self.revokes_of.get((h.key, h.call.task_id)):
+                continue
+            kinds = sorted({e.kind for e in h.events})
+            self.report(
+                Kind.LOST,
+                h.key,
+                f"{h.call.task_id} (records: {', '.join(kinds) or 'none'}) never finished",
+            )
+
+
+    def _check_dropped(self, h: Holding) -> None:
+        """A message the worker discarded as revoked must have been revoked or expired.
+
+        Its own revoke, its own ``expires``, or a replacing call with another
+        task id (whose broadcast revokes the replaced id) explain a drop;
+        anything else (an id revoked for an earlier run) loses the work.
+        """
+        drops = [e for e in h.of("revoked") if not h.of("start")]
+        if not drops:
+            return
+        t = drops[0].t
+        call = h.call
+        if any(r.t0 < t for r in self.revokes_of.get((h.key, call.task_id), [])):
+            return
+        if call.expires_at is not None and call.expires_at < t + self.m:
+            return
+        if any(
+            o.call.replace and o.call.task_id != call.task_id and o.call.t0 < t
+            for o in self.by_key[h.key]
+            if o is not h
+        ):
+            return
+        self.report(
+            Kind.LOST,
+            h.key,
+            f"{call.task_id} was discarded by a worker as {drops[0].outcome} "
+            f"{t - call.t1:.3f}s after its publish, without a revoke or expiry of its own",
+        )
+
+def check(trace: Trace, margin: float = MARGIN, ttl_slack: float = 0.0) -> list[Finding]:
+    """Every certain violation in ``trace`` (an empty list when none).
+
+    ``ttl_slack``: how long past its TTL the store may keep a lock (memcached
+    counts whole seconds and documents up to 4 s); the TTL lower bound is
+    never relaxed.
+    """
+    checker = _Checker(trace, margin, ttl_slack)
+    checker.check_publishes()
+    checker.check_executions()
+    checker.check_suppressions()
+    checker.check_scans()
+    checker.check_revokes()
+    checker.check_lost()
+    return checker.findings
+
+
+def summary(findings: Sequence[Finding], limit: int = 20) -> str:
+    """Counts per kind and the first findings, for an assertion message."""
+    counts: Mapping[Kind, int] = {
+        kind: sum(1 for f in findings if f.kind is kind) for kind in Kind
+    }
+    head = ", ".join(f"{kind.value}: {n}" for kind, n in counts.items())
+    lines = [head, *(str(f) for f in findings[:limit])]
+    if len(findings) > limit:
+        lines.append(f"… and {len(findings) - limit} more")
+    return "\n".join(lines)
+
+
+def unfinished(trace: Trace) -> list[Holding]:
+    """Published messages with no final record yet (revoked ones may never get one)."""
+    revoked = {(r.key, r.task_id) for r in trace.revokes}
+    return [
+        h
+        for h in holdings(trace)
+        if h.call.outcome == "published"
+        and not h.finished()
+        and (h.key, h.call.task_id) not in revoked
+    ]
+
+
+def holdings(trace: Trace, margin: float = MARGIN) -> list[Holding]:
+    """The holdings of ``trace`` with their bounds (for tests and diagnosis)."""
+    return _Checker(trace, margin).holdings

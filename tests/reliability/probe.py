@@ -1,0 +1,356 @@
+"""Recording a run: producers, worker signals and task bodies write to a separate Redis.
+
+The recorder lives on its own redis-server, so a test can kill, pause or
+empty the lock store and the broker without losing the trace. Each record is
+one JSON object pushed to a list; ``Recorder.trace()`` reads them back as a
+``model.Trace``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict
+from typing import Any
+
+import redis
+from celery.signals import (
+    before_task_publish,
+    task_postrun,
+    task_prerun,
+    task_revoked,
+    worker_ready,
+)
+
+from celery_dedup import DuplicateTaskError, dedup_key_for
+from celery_dedup.header import HEADER, read_header
+from celery_dedup.options import pop_call_options
+from celery_dedup.signals import task_skipped
+from celery_dedup.stores.base import LockStore
+
+from .model import Call, Event, Finding, Revoke, Scan, Seen, Trace, check, unfinished
+
+__all__ = [
+    "TASK_PREFIX",
+    "Producer",
+    "Recorder",
+    "Scanner",
+    "install_worker_probes",
+    "poll",
+    "scan_once",
+]
+
+#: Only tasks whose name starts with this are recorded.
+TASK_PREFIX = "rel."
+
+_LISTS = ("calls", "revokes", "events", "scans")
+
+
+class Recorder:
+    """The run's records in a Redis of their own."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.client = redis.Redis.from_url(url)
+
+    def _push(self, name: str, record: Mapping[str, Any]) -> None:
+        self.client.rpush(f"rel:{name}", json.dumps(record))
+
+    def call(self, call: Call) -> None:
+        """Record one ``apply_async``."""
+        self._push("calls", asdict(call))
+
+    def revoke(self, revoke: Revoke) -> None:
+        """Record one ``celery_dedup.revoke``."""
+        self._push("revokes", asdict(revoke))
+
+    def event(self, event: Event) -> None:
+        """Record something seen on a worker."""
+        self._push("events", asdict(event))
+
+    def scan(self, scan: Scan) -> None:
+        """Record one scan of the store."""
+        self._push("scans", asdict(scan))
+
+    def next_run(self, token: str, retries: int) -> int:
+        """Count a start of one try of one message; 1 for its first run."""
+        return int(self.client.incr(f"rel:runs:{token}:{retries}"))
+
+    def mark(self, name: str, value: Mapping[str, Any]) -> None:
+        """Record a marker (a worker became ready...)."""
+        self._push(f"mark:{name}", value)
+
+    def marks(self, name: str) -> list[dict[str, Any]]:
+        """Every marker recorded under ``name``."""
+        return [json.loads(raw) for raw in self.client.lrange(f"rel:mark:{name}", 0, -1)]
+
+    def events(
+        self, kind: str | None = None, *, token: str | None = None, task_id: str | None = None
+    ) -> list[Event]:
+        """The worker records so far, of ``kind`` for ``token``/``task_id`` when given."""
+        events = [Event(**json.loads(raw)) for raw in self.client.lrange("rel:events", 0, -1)]
+        return [
+            e
+            for e in events
+            if (kind is None or e.kind == kind)
+            and (token is None or e.token == token)
+            and (task_id is None or e.task_id == task_id)
+        ]
+
+    def trace(self) -> Trace:
+        """Everything recorded so far."""
+        raw = {name: self.client.lrange(f"rel:{name}", 0, -1) for name in _LISTS}
+        return Trace(
+            calls=[Call(**json.loads(r)) for r in raw["calls"]],
+            revokes=[Revoke(**json.loads(r)) for r in raw["revokes"]],
+            events=[Event(**json.loads(r)) for r in raw["events"]],
+            scans=[_scan(json.loads(r)) for r in raw["scans"]],
+        )
+
+    def settled(self, timeout: float = 60) -> Trace:
+        """The trace once every published message has a final record."""
+        poll(lambda: not unfinished(self.trace()), timeout, interval=0.2, what="messages final")
+        return self.trace()
+
+    def findings(self, timeout: float = 60, ttl_slack: float = 0.0) -> list[Finding]:
+        """What the checker finds once every published message is final."""
+        return check(self.settled(timeout), ttl_slack=ttl_slack)
+
+    def clear(self) -> None:
+        """Forget every record."""
+        self.client.flushdb()
+
+    def close(self) -> None:
+        """Close the client."""
+        self.client.close()
+
+
+def _scan(raw: Mapping[str, Any]) -> Scan:
+    return Scan(raw["t0"], raw["t1"], tuple(Seen(**lock) for lock in raw["locks"]))
+
+
+# -- worker side -----------------------------------------------------------
+
+
+def token_of(task: Any, task_id: str) -> str:
+    """The owner token of the running message (``guard:`` + id without a header)."""
+    header = task.dedup_header(task_id) if hasattr(task, "dedup_header") else None
+    if header is not None and header.token:
+        return str(header.token)
+    return "guard:" + task_id
+
+
+def body_event(task: Any, recorder: Recorder, kind: str, **fields: Any) -> Event:
+    """Record ``kind`` from inside the body of ``task``'s current run."""
+    t = time.time()
+    request = task.request
+    event = Event(
+        kind=kind,
+        token=token_of(task, str(request.id)),
+        task_id=str(request.id),
+        t=t,
+        retries=int(request.retries or 0),
+        pid=os.getpid(),
+        **fields,
+    )
+    recorder.event(event)
+    return event
+
+
+def install_worker_probes(recorder: Recorder) -> None:
+    """Record ``task_prerun``, ``task_postrun``, ``task_revoked``, ``task_skipped``.
+
+    Connect after importing ``celery_dedup``: receivers run in connection
+    order, so the ``revoked`` record follows celery-dedup's own release.
+    """
+
+    def recorded(sender: Any) -> bool:
+        return str(getattr(sender, "name", "")).startswith(TASK_PREFIX)
+
+    @task_prerun.connect(weak=False)
+    def _prerun(sender: Any = None, task_id: str = "", **_: Any) -> None:
+        if recorded(sender):
+            body_event(sender, recorder, "prerun")
+
+    @task_postrun.connect(weak=False)
+    def _postrun(sender: Any = None, task_id: str = "", state: str = "", **_: Any) -> None:
+        if recorded(sender):
+            body_event(sender, recorder, "postrun", outcome=str(state))
+
+    @task_skipped.connect(weak=False)
+    def _skipped(sender: Any = None, reason: str = "", **_: Any) -> None:
+        if recorded(sender):
+            body_event(sender, recorder, "skipped", outcome=reason)
+
+    @task_revoked.connect(weak=False)
+    def _revoked(sender: Any = None, request: Any = None, expired: bool = False, **_: Any) -> None:
+        if not recorded(sender) or request is None:
+            return
+        t = time.time()
+        header = read_header(request.headers) or read_header(
+            {HEADER: getattr(request, HEADER, None)}
+        )
+        token = header.token if header is not None and header.token else "guard:" + request.id
+        recorder.event(
+            Event(
+                kind="revoked",
+                token=str(token),
+                task_id=str(request.id),
+                t=t,
+                outcome="expired" if expired else "revoked",
+                pid=os.getpid(),
+            )
+        )
+
+    @worker_ready.connect(weak=False)
+    def _ready(sender: Any = None, **_: Any) -> None:
+        hostname = str(getattr(sender, "hostname", ""))
+        recorder.mark("ready", {"hostname": hostname, "pid": os.getpid(), "t": time.time()})
+
+
+# -- producer side ---------------------------------------------------------
+
+_published = threading.local()
+
+
+@before_task_publish.connect(weak=False)
+def _remember_publish(headers: Mapping[str, Any] | None = None, **_: Any) -> None:
+    """The id and owner token of the message about to be published (this thread)."""
+    header = read_header(headers)
+    token = header.token if header is not None and header.token else ""
+    _published.last = (str((headers or {}).get("id", "")), str(token))
+
+
+class Producer:
+    """Calls ``apply_async`` and records what it saw."""
+
+    def __init__(self, recorder: Recorder) -> None:
+        self.recorder = recorder
+        #: the record of the last call
+        self.last: Call | None = None
+
+    def _record(self, call: Call) -> None:
+        self.last = call
+        self.recorder.call(call)
+
+    def call(
+        self,
+        task: Any,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        **options: Any,
+    ) -> Any:
+        """``task.apply_async(args, kwargs, **options)``, recorded; re-raises its errors."""
+        call = task.dedup_config().resolve(pop_call_options(dict(options)))
+        key = dedup_key_for(task, args, kwargs, **options) or ""
+        countdown = float(options.get("countdown") or 0.0)
+        common: dict[str, Any] = {
+            "key": key,
+            "until": call.unique_until.value,
+            "unique_for": float(call.unique_for or 0.0),
+            "replace": call.on_duplicate.value == "replace",
+            "countdown": countdown,
+        }
+        _published.last = None
+        t0 = time.time()
+        if options.get("expires") is not None:
+            common["expires_at"] = t0 + float(options["expires"])
+        try:
+            result = task.apply_async(args, kwargs, **options)
+        except DuplicateTaskError as exc:
+            self._record(
+                Call(t0=t0, t1=time.time(), outcome="raised", task_id=exc.existing_task_id,
+                     **common)
+            )
+            raise
+        except Exception:
+            t1 = time.time()
+            task_id, token = _published.last or ("", "")
+            self._record(
+                Call(t0=t0, t1=t1, outcome="failed", task_id=task_id, token=token, **common)
+            )
+            raise
+        t1 = time.time()
+        if result.deduplicated:
+            self._record(
+                Call(t0=t0, t1=t1, outcome="deduplicated", task_id=result.id, **common)
+            )
+        else:
+            task_id, token = _published.last or (result.id, "")
+            self._record(
+                Call(t0=t0, t1=t1, outcome="published", task_id=task_id, token=token, **common)
+            )
+        return result
+
+    def revoke(self, result: Any, **options: Any) -> str:
+        """``celery_dedup.revoke(result)``, recorded; returns the outcome's value."""
+        from celery_dedup import revoke
+
+        t0 = time.time()
+        outcome = revoke(result, **options)
+        self.recorder.revoke(
+            Revoke(
+                key=str(result.deduplication_key),
+                task_id=str(result.id),
+                t0=t0,
+                t1=time.time(),
+                outcome=outcome.value,
+            )
+        )
+        return str(outcome.value)
+
+
+def scan_once(store: LockStore, prefix: str, recorder: Recorder) -> Scan:
+    """Scan the store once and record what it held."""
+    t0 = time.time()
+    locks = tuple(
+        Seen(key=lock.key, owner=lock.owner, task_id=lock.task_id, expires_at=lock.expires_at)
+        for lock in store.scan(prefix)
+    )
+    scan = Scan(t0=t0, t1=time.time(), locks=locks)
+    recorder.scan(scan)
+    return scan
+
+
+class Scanner:
+    """Scans the store every ``interval`` seconds in a thread until stopped."""
+
+    def __init__(
+        self, scan: Callable[[], Scan], interval: float = 1.0
+    ) -> None:
+        self._scan = scan
+        self._interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rel-scanner", daemon=True)
+        self.count = 0
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self._scan()
+            self.count += 1
+
+    def __enter__(self) -> Scanner:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+
+def poll(
+    predicate: Callable[[], Any], timeout: float, interval: float = 0.1, what: str = ""
+) -> Any:
+    """Poll ``predicate`` until it returns something truthy; fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout}s: {what or predicate}")
+        time.sleep(interval)
+

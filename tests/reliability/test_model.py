@@ -1,0 +1,303 @@
+"""The checker on hand-made traces: each kind is found when certain, never when ambiguous."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from .model import Call, Event, Kind, Revoke, Scan, Seen, Trace, check, holdings
+
+KEY = "celery-dedup:rel.work:" + "a" * 64
+OTHER = "celery-dedup:rel.work:" + "b" * 64
+
+
+def published(t0: float, tid: str, tok: str, until: str = "success", **kw: Any) -> Call:
+    """A call that published ``tid`` with owner ``tok`` in [t0, t0 + 0.01]."""
+    fields: dict[str, Any] = {"key": KEY, "unique_for": 10.0, **kw}
+    return Call(
+        until=until, t0=t0, t1=t0 + 0.01, outcome="published", task_id=tid, token=tok, **fields
+    )
+
+
+def suppressed(t0: float, holder: str, until: str = "success", key: str = KEY) -> Call:
+    """A call suppressed in [t0, t0 + 0.01], naming ``holder``."""
+    return Call(
+        key=key, until=until, unique_for=10.0, t0=t0, t1=t0 + 0.01,
+        outcome="deduplicated", task_id=holder,
+    )
+
+
+def run(
+    tok: str, tid: str, t: float, seconds: float = 0.5, outcome: str = "success",
+    retries: int = 0, countdown: float = 0.0, pid: int = 1,
+) -> list[Event]:
+    """prerun at t, body start, body end after ``seconds``, postrun."""
+    state = {"success": "SUCCESS", "failure": "FAILURE", "retry": "RETRY"}[outcome]
+    common: dict[str, Any] = {"token": tok, "task_id": tid, "retries": retries, "pid": pid}
+    return [
+        Event("prerun", t=t, **common),
+        Event("start", t=t + 0.01, **common),
+        Event("end", t=t + seconds, outcome=outcome, countdown=countdown, **common),
+        Event("postrun", t=t + seconds + 0.01, outcome=state, **common),
+    ]
+
+
+def scan(t: float, *locks: tuple[str, str, float]) -> Scan:
+    """A scan in [t, t + 0.01] that saw ``(owner, task_id, expires_at)`` locks on KEY."""
+    return Scan(t, t + 0.01, tuple(Seen(KEY, owner, tid, exp) for owner, tid, exp in locks))
+
+
+def kinds(trace: Trace) -> list[Kind]:
+    return [finding.kind for finding in check(trace)]
+
+
+def test_a_clean_lifecycle_has_no_finding() -> None:
+    """Publish, suppressed duplicate, run, release, next publish: nothing to report."""
+    trace = Trace(
+        calls=[published(0.0, "A", "ta"), suppressed(0.5, "A"), published(2.0, "B", "tb")],
+        events=[*run("ta", "A", 1.0), *run("tb", "B", 2.5)],
+        scans=[scan(0.7, ("ta", "A", 10.0)), scan(1.8), scan(3.5)],
+    )
+    assert check(trace) == []
+
+
+def test_a_publish_inside_the_holders_interval_is_a_duplicate() -> None:
+    trace = Trace(
+        calls=[published(0.0, "A", "ta"), published(0.5, "B", "tb")],
+        events=[*run("ta", "A", 1.0), *run("tb", "B", 2.0)],
+    )
+    assert kinds(trace) == [Kind.DUPLICATE]
+
+
+def test_overlapping_calls_are_judged_in_both_orders() -> None:
+    """Overlapping publishes: whichever took the key second took it from a holder."""
+    first = published(0.0, "A", "ta")
+    second = replace(first, t0=0.005, t1=0.03, task_id="B", token="tb")
+    events = [*run("ta", "A", 1.0), *run("tb", "B", 2.0)]
+    assert kinds(Trace(calls=[first, second], events=events)) == [Kind.DUPLICATE]
+    # A replacing call may have come second: no certain violation.
+    replacing = replace(second, replace=True)
+    skipped = Event("skipped", "ta", "A", 1.0, outcome="replaced")
+    trace = Trace(calls=[first, replacing], events=[skipped, *run("tb", "B", 2.0)])
+    assert check(trace) == []
+
+
+def test_a_publish_after_the_ttl_is_allowed() -> None:
+    trace = Trace(
+        calls=[published(0.0, "A", "ta", unique_for=1.0), published(1.2, "B", "tb")],
+        events=[*run("ta", "A", 0.2, seconds=3.0), *run("tb", "B", 1.5)],
+    )
+    assert check(trace) == []
+
+
+def test_start_policy_ends_at_the_prerun() -> None:
+    """A ``start`` lock may end once the claim may have run: after task_prerun."""
+    trace = Trace(
+        calls=[published(0.0, "A", "ta", until="start"), published(1.05, "B", "tb")],
+        events=[*run("ta", "A", 1.0, seconds=2.0), *run("tb", "B", 1.5)],
+    )
+    assert check(trace) == []
+    early = Trace(calls=[trace.calls[0], published(0.5, "B", "tb")], events=trace.events)
+    assert kinds(early) == [Kind.DUPLICATE]
+
+
+def test_replace_takes_over_but_the_replaced_message_must_not_run() -> None:
+    replaced = Trace(
+        calls=[published(0.0, "A", "ta"), published(0.5, "B", "tb", replace=True)],
+        events=[*run("ta", "A", 1.0), *run("tb", "B", 2.0)],
+    )
+    assert kinds(replaced) == [Kind.DUPLICATE]
+    assert "A (try 0) ran while B" in check(replaced)[0].detail
+    # A's start claim may have come before the take-over: it may run.
+    claimed_before = Trace(
+        calls=replaced.calls,
+        events=[*run("ta", "A", 0.3, seconds=1.0), *run("tb", "B", 2.0)],
+    )
+    assert check(claimed_before) == []
+
+
+def test_a_suppression_after_the_release_is_stale() -> None:
+    base: dict[str, Any] = {"events": run("ta", "A", 1.0)}
+    stale = Trace(calls=[published(0.0, "A", "ta"), suppressed(2.0, "A")], **base)
+    assert kinds(stale) == [Kind.STALE]
+    # Within the margin of the postrun record: the release may be that late.
+    close = Trace(calls=[published(0.0, "A", "ta"), suppressed(1.53, "A")], **base)
+    assert check(close) == []
+    unknown = Trace(calls=[published(0.0, "A", "ta"), suppressed(0.5, "Z")], **base)
+    assert kinds(unknown) == [Kind.STALE]
+
+
+def test_a_lock_seen_after_its_release_or_past_its_ttl_leaks() -> None:
+    calls = [published(0.0, "A", "ta", unique_for=10.0)]
+    released = Trace(calls=calls, events=run("ta", "A", 1.0), scans=[scan(2.0, ("ta", "A", 9.0))])
+    assert kinds(released) == [Kind.LEAK]
+    too_long = Trace(calls=calls, events=[], scans=[scan(0.5, ("ta", "A", 12.0))])
+    assert kinds(too_long) == [Kind.LEAK, Kind.LOST]
+    stranger = Trace(calls=calls, events=run("ta", "A", 1.0), scans=[scan(0.5, ("zz", "Z", 5.0))])
+    assert Kind.LEAK in kinds(stranger)
+
+
+def test_a_retry_extends_the_ttl_bound() -> None:
+    """Retrying with a countdown extends the lock: seeing it later is no leak."""
+    events = [
+        *run("ta", "A", 0.2, seconds=0.1, outcome="retry", countdown=5.0),
+        *run("ta", "A", 5.5, retries=1),
+    ]
+    trace = Trace(
+        calls=[published(0.0, "A", "ta", unique_for=1.0)],
+        events=events,
+        scans=[scan(3.0, ("ta", "A", 6.0))],
+    )
+    assert check(trace) == []
+    (holding,) = holdings(trace)
+    # The retry's start claim may retake the key for unique_for more.
+    assert holding.expires_by == pytest.approx(5.51 + 1.0)
+    no_retry = Trace(calls=trace.calls, events=run("ta", "A", 0.2), scans=trace.scans)
+    assert kinds(no_retry) == [Kind.LEAK]
+
+
+def test_a_lock_that_had_to_be_held_but_is_absent_is_missing() -> None:
+    throttle = Trace(
+        calls=[published(0.0, "A", "ta", until="expiry")],
+        events=run("ta", "A", 0.5),
+        scans=[scan(3.0)],
+    )
+    assert kinds(throttle) == [Kind.MISSING]
+    # success keeps its lock after a final failure; finish releases it.
+    failed = run("ta", "A", 0.5, outcome="failure")
+    kept = Trace(calls=[published(0.0, "A", "ta")], events=failed, scans=[scan(3.0)])
+    assert kinds(kept) == [Kind.MISSING]
+    done = Trace(
+        calls=[published(0.0, "A", "ta", until="finish")], events=failed, scans=[scan(3.0)]
+    )
+    assert check(done) == []
+
+
+def test_a_message_without_a_final_state_is_lost_unless_revoked() -> None:
+    calls = [published(0.0, "A", "ta")]
+    retried = run("ta", "A", 0.5, outcome="retry", countdown=1.0)
+    assert kinds(Trace(calls=calls, events=retried)) == [Kind.LOST]
+    revoke = Revoke(KEY, "A", 0.2, 0.21, "released")
+    assert check(Trace(calls=calls, revokes=[revoke])) == []
+    skipped = [Event("skipped", "ta", "A", 1.0, outcome="revoked")]
+    assert check(Trace(calls=calls, events=skipped)) == []
+
+
+def test_a_released_revoke_must_keep_the_body_from_running() -> None:
+    revoke = Revoke(KEY, "A", 0.2, 0.21, "released")
+    ran = Trace(calls=[published(0.0, "A", "ta")], revokes=[revoke], events=run("ta", "A", 1.0))
+    assert kinds(ran) == [Kind.REVOKED_RAN]
+    running = Revoke(KEY, "A", 0.2, 0.21, "running")
+    trace = Trace(calls=[published(0.0, "A", "ta")], revokes=[running], events=run("ta", "A", 0.1))
+    assert check(trace) == []
+
+
+def test_a_revoke_lets_the_lock_go_early() -> None:
+    """After a revoke, a new publish is no duplicate, and no longer lost."""
+    revoke = Revoke(KEY, "A", 0.2, 0.21, "released")
+    trace = Trace(
+        calls=[published(0.0, "A", "ta"), published(0.3, "B", "tb")],
+        revokes=[revoke],
+        events=[*run("tb", "B", 0.5), Event("skipped", "ta", "A", 1.0, outcome="revoked")],
+        scans=[scan(0.25)],
+    )
+    assert check(trace) == []
+
+
+def test_a_try_run_again_after_it_completed_is_a_duplicate() -> None:
+    once = run("ta", "A", 0.5, pid=1)
+    again = [e for e in run("ta", "A", 2.0, pid=2) if e.kind != "prerun"]
+    trace = Trace(calls=[published(0.0, "A", "ta")], events=[*once, *again])
+    assert kinds(trace) == [Kind.DUPLICATE]
+    # A run killed before its end may be delivered again.
+    killed = [e for e in once if e.kind in ("prerun", "start")]
+    redelivered = Trace(calls=[published(0.0, "A", "ta")], events=[*killed, *again])
+    assert check(redelivered) == []
+
+
+def test_a_failed_publish_holds_nothing() -> None:
+    """The lock of a publish that raised must be gone when the error surfaces."""
+    failed = Call(KEY, "success", 10.0, 0.0, 0.2, "failed", "A", token="ta")
+    assert check(Trace(calls=[failed, published(0.3, "B", "tb")], events=run("tb", "B", 1.0))) == []
+    leaked = Trace(calls=[failed], scans=[scan(0.5, ("ta", "A", 9.0))])
+    assert kinds(leaked) == [Kind.LEAK]
+    # The broker enqueued it after all: its start claim retook the free key.
+    late_run = run("ta", "A", 1.0, seconds=1.0)
+    arrived = Trace(calls=[failed], events=late_run, scans=[scan(1.5, ("ta", "A", 11.0))])
+    assert check(arrived) == []
+
+
+def test_other_keys_never_interact() -> None:
+    trace = Trace(
+        calls=[published(0.0, "A", "ta"), published(0.5, "B", "tb", key=OTHER)],
+        events=[*run("ta", "A", 1.0), *run("tb", "B", 1.0)],
+    )
+    assert check(trace) == []
+
+
+def test_a_trace_survives_json() -> None:
+    trace = Trace(
+        calls=[published(0.0, "A", "ta"), suppressed(0.5, "A")],
+        revokes=[Revoke(KEY, "A", 0.2, 0.21, "running")],
+        events=run("ta", "A", 1.0),
+        scans=[scan(0.7, ("ta", "A", 10.0))],
+    )
+    assert Trace.from_json(trace.to_json()) == trace
+
+
+def test_a_start_lock_is_taken_again_by_a_retry() -> None:
+    """``start`` releases at the claim, but a retry publish locks its queued retry."""
+    events = [
+        *run("ta", "A", 0.2, seconds=0.1, outcome="retry", countdown=1.0),
+        *run("ta", "A", 1.5, retries=1),
+    ]
+    calls = [published(0.0, "A", "ta", until="start", unique_for=1.0)]
+    trace = Trace(
+        calls=[*calls, suppressed(0.9, "A", until="start")],
+        events=events,
+        scans=[scan(0.8, ("ta", "A", 2.3))],
+    )
+    assert check(trace) == []
+    late = Trace(calls=[*calls, suppressed(2.0, "A", until="start")], events=events)
+    assert kinds(late) == [Kind.STALE]
+
+
+def test_a_message_dropped_without_a_cause_of_its_own_is_lost() -> None:
+    """A worker discarding a message as revoked needs its revoke, expiry or replace."""
+    dropped = Event("revoked", "tb", "A", 2.0, outcome="revoked")
+    calls = [published(0.0, "A", "ta", expires_at=-1.0), published(1.0, "A", "tb")]
+    expired = Event("revoked", "ta", "A", 0.5, outcome="expired")
+    trace = Trace(calls=calls, events=[expired, dropped])
+    assert kinds(trace) == [Kind.LOST]
+    assert "discarded by a worker as revoked" in check(trace)[0].detail
+    revoke = Revoke(KEY, "A", 1.5, 1.6, "released")
+    revoked = Trace(calls=calls, events=[expired, dropped], revokes=[revoke])
+    assert check(revoked) == []
+    replaced = Trace(
+        calls=[published(0.0, "A", "ta"), published(0.5, "B", "tb", replace=True)],
+        events=[Event("revoked", "ta", "A", 1.0), *run("tb", "B", 1.2)],
+    )
+    assert check(replaced) == []
+
+
+def test_a_revoke_that_released_a_queued_retry_forbids_only_later_tries() -> None:
+    retried = run("ta", "A", 0.1, seconds=0.1, outcome="retry", countdown=1.0)
+    revoke = Revoke(KEY, "A", 0.5, 0.51, "released")
+    skipped = Event("skipped", "ta", "A", 1.3, retries=1, outcome="revoked")
+    calls = [published(0.0, "A", "ta")]
+    assert check(Trace(calls=calls, revokes=[revoke], events=[*retried, skipped])) == []
+    ran = Trace(calls=calls, revokes=[revoke], events=[*retried, *run("ta", "A", 1.3, retries=1)])
+    assert kinds(ran) == [Kind.REVOKED_RAN]
+
+
+def test_ttl_slack_allows_a_coarse_store_to_keep_a_lock_longer() -> None:
+    """memcached keeps a lock up to ~4 s past its TTL; the lower bound is not relaxed."""
+    calls = [published(0.0, "A", "ta", until="expiry", unique_for=1.0)]
+    late = Trace(calls=calls, events=run("ta", "A", 0.2), scans=[scan(3.0, ("ta", "A", 4.0))])
+    assert kinds(late) == [Kind.LEAK]
+    assert check(late, ttl_slack=4.0) == []
+    early = Trace(calls=calls, events=run("ta", "A", 0.2), scans=[scan(0.5)])
+    assert kinds(early) == [Kind.MISSING]
+    assert [f.kind for f in check(early, ttl_slack=4.0)] == [Kind.MISSING]

@@ -1,0 +1,148 @@
+"""What producer processes call, and when: the soak's mixed workload and the race.
+
+The soak:
+
+Every key has a fixed profile (its ``unique_until``, a short or long
+``unique_for``, ``deterministic_id`` or not); every call draws its own
+``on_duplicate``, ``countdown``/``expires`` and what its body will do (sleep,
+fail, retry with a countdown), and some published calls are revoked shortly
+after. Producers pace their calls to a fixed total rate.
+
+CI runs the short form; ``DEDUP_SOAK_FULL=1`` runs the full one (10 000 calls
+over 500 keys at ~100 calls/s); ``DEDUP_SOAK_SEED`` replays a run.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from celery_dedup import DuplicateTaskError
+from celery_dedup.runtime import runtime_for
+
+from .apps import make_app, work_task
+from .probe import Producer, Recorder
+
+__all__ = ["SoakPlan", "Workload", "produce", "race"]
+
+UNTILS = ("start", "success", "finish", "expiry")
+
+
+@dataclass(frozen=True)
+class SoakPlan:
+    """How big a soak run is."""
+
+    calls: int
+    keys: int
+    producers: int
+    #: calls per second, all producers together
+    rate: float
+    seed: int
+
+    @classmethod
+    def from_env(cls) -> SoakPlan:
+        """The CI form, or the full one with ``DEDUP_SOAK_FULL=1``."""
+        seed = int(os.environ.get("DEDUP_SOAK_SEED") or random.randrange(1 << 30))
+        if os.environ.get("DEDUP_SOAK_FULL") == "1":
+            return cls(calls=10_000, keys=500, producers=4, rate=100.0, seed=seed)
+        return cls(calls=1_000, keys=50, producers=2, rate=50.0, seed=seed)
+
+
+@dataclass
+class Workload:
+    """Draws the calls of one producer."""
+
+    rng: random.Random
+    keys: int
+
+    @staticmethod
+    def profile(n: int) -> dict[str, Any]:
+        """The options fixed per key."""
+        return {
+            "unique_until": UNTILS[n % 4],
+            "unique_for": 8.0 if n % 3 == 0 else (0.8, 1.5)[n % 2],
+            "deterministic_id": n % 5 == 0,
+        }
+
+    def next_call(self) -> tuple[int, dict[str, Any], dict[str, Any], float | None]:
+        """``(n, plan, options, revoke_after)`` of the next call."""
+        rng = self.rng
+        n = rng.randrange(self.keys)
+        options = self.profile(n)
+        pick = rng.random()
+        on_duplicate = "existing" if pick < 0.7 else "raise" if pick < 0.85 else "replace"
+        options["on_duplicate"] = on_duplicate
+        pick = rng.random()
+        if pick < 0.10:
+            options["countdown"] = round(rng.uniform(0.2, 1.5), 3)
+        elif pick < 0.13:
+            options["expires"] = -1.0
+        elif pick < 0.16:
+            options.update(countdown=1.0, expires=0.3)
+        plan: dict[str, Any] = {"sleep": round(rng.uniform(0.0, 0.1), 3)}
+        pick = rng.random()
+        if pick < 0.08:
+            plan["fail"] = True
+        elif pick < 0.16:
+            plan.update(retries=rng.randint(1, 2), retry_countdown=round(rng.uniform(0.1, 0.6), 3))
+        revoke_after = round(rng.uniform(0.0, 0.4), 3) if rng.random() < 0.05 else None
+        return n, plan, options, revoke_after
+
+
+def produce(
+    index: int, plan: SoakPlan, conf: dict[str, Any], recorder_url: str, start_at: float
+) -> None:
+    """One producer process: its share of the calls at its share of the rate, then revokes."""
+    app = make_app(conf, recorder_url)
+    task = work_task(app)
+    recorder = Recorder(recorder_url)
+    producer = Producer(recorder)
+    workload = Workload(random.Random(plan.seed * 100 + index), plan.keys)
+    interval = plan.producers / plan.rate
+    revokes: list[tuple[float, Any]] = []
+
+    def revoke_due(until: float) -> None:
+        while revokes and revokes[0][0] <= until:
+            producer.revoke(revokes.pop(0)[1])
+
+    for i in range(plan.calls // plan.producers):
+        due = start_at + i * interval
+        revoke_due(due)
+        time.sleep(max(0.0, due - time.time()))
+        n, body, options, revoke_after = workload.next_call()
+        try:
+            result = producer.call(task, (n, body), **options)
+        except DuplicateTaskError:
+            continue
+        if revoke_after is not None and not result.deduplicated:
+            revokes.append((time.time() + revoke_after, result))
+            revokes.sort(key=lambda item: item[0])
+    revoke_due(float("inf"))
+    runtime_for(app).metrics.flush()
+    recorder.close()
+    app.close()
+
+
+def race(
+    index: int, keys: int, conf: dict[str, Any], recorder_url: str, seed: int, start_at: float
+) -> None:
+    """One racing producer: every key once, in its own order, all starting at ``start_at``.
+
+    ``unique_until="expiry"`` with a TTL longer than the run: one lock
+    lifetime per key, so exactly one call per key may publish.
+    """
+    app = make_app(conf, recorder_url)
+    task = work_task(app)
+    recorder = Recorder(recorder_url)
+    producer = Producer(recorder)
+    order = list(range(keys))
+    random.Random(seed * 100 + index).shuffle(order)
+    time.sleep(max(0.0, start_at - time.time()))
+    for n in order:
+        producer.call(task, (n, {}), unique_until="expiry", unique_for=300)
+    runtime_for(app).metrics.flush()
+    recorder.close()
+    app.close()
