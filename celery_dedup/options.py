@@ -103,8 +103,13 @@ def validate_choice(enum: type[E], value: Any, option: str) -> E:
         raise InvalidOptionError(option, value, [m.value for m in enum]) from None
 
 
+#: The longest lock: ten years (every store holds it; a longer TTL overflows
+#: some, e.g. Redis' millisecond expiries).
+MAX_SECONDS: Final = 10 * 365 * 24 * 3600.0
+
+
 def validate_unique_for(value: Any, option: str = "unique_for") -> float | None:
-    """Seconds as a positive float; ``None`` or ``0`` mean "no lock" (bypass)."""
+    """Seconds as a positive float up to ``MAX_SECONDS``; ``None`` or ``0`` mean "no lock"."""
     if value is None:
         return None
     if isinstance(value, timedelta):
@@ -117,8 +122,10 @@ def validate_unique_for(value: Any, option: str = "unique_for") -> float | None:
         seconds = float(value)
     if seconds == 0:
         return None
-    if not seconds > 0 or seconds == float("inf"):
-        raise InvalidOptionError(option, value, "a finite number of seconds greater than 0")
+    if not 0 < seconds <= MAX_SECONDS:
+        raise InvalidOptionError(
+            option, value, f"a number of seconds greater than 0 and at most {MAX_SECONDS:.0f}"
+        )
     return seconds
 
 
@@ -126,7 +133,9 @@ def validate_positive_seconds(value: Any, option: str) -> float:
     """Like ``validate_unique_for`` but ``None`` and ``0`` are refused."""
     seconds = validate_unique_for(value, option)
     if seconds is None:
-        raise InvalidOptionError(option, value, "a finite number of seconds greater than 0")
+        raise InvalidOptionError(
+            option, value, f"a number of seconds greater than 0 and at most {MAX_SECONDS:.0f}"
+        )
     return seconds
 
 

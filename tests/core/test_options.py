@@ -21,6 +21,8 @@ BAD_CALL_OPTIONS = [
     ("unique_for", -5, "greater than 0"),
     ("unique_for", "600", "seconds"),
     ("unique_for", True, "seconds"),
+    ("unique_for", 1e17, "at most 315360000"),
+    ("unique_for", float("nan"), "greater than 0"),
     ("deterministic_id", "yes", "True or False"),
     ("deduplication_key", 42, "a non-empty string"),
     ("deduplication_key", "", "a non-empty string"),

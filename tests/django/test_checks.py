@@ -148,3 +148,26 @@ def test_override_settings_takes_effect_on_the_next_call(app: Any, transactional
     after = sync_address.delay(1, {"zip": "1"})
     assert after.deduplicated is True and after.id == before.id
     assert runtime_for(app).settings.key_prefix == "celery-dedup"
+
+
+@pytest.mark.parametrize(
+    ("backend", "expected"),
+    [
+        ("django.core.cache.backends.db.DatabaseCache", ["celery_dedup.W010"]),
+        ("django.core.cache.backends.locmem.LocMemCache", ["celery_dedup.W011"]),
+        ("django.core.cache.backends.filebased.FileBasedCache", []),
+    ],
+)
+def test_cache_store_guarantee_is_checked(
+    app: Any, tmp_path: Any, backend: str, expected: list[str]
+) -> None:
+    """A django-cache store warns when its backend is best effort or one process only."""
+    caches = {
+        "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+        "locks": {"BACKEND": backend, "LOCATION": str(tmp_path / "locks")},
+    }
+    with override_settings(CACHES=caches, CELERY_DEDUP_STORE="django-cache://locks"):
+        found = [m for m in check_settings() if m.id in ("celery_dedup.W010", "celery_dedup.W011")]
+        assert [m.id for m in found] == expected
+        for message in found:
+            assert "'locks'" in message.msg and message.hint

@@ -25,6 +25,9 @@ id                      setting
 ``celery_dedup.E014``   no lock store can be derived and
                         ``CELERY_DEDUP_FALLBACK`` is not set
 ``celery_dedup.W001``   an unknown ``CELERY_DEDUP_*`` setting (a typo?)
+``celery_dedup.W010``   the store is a Django cache without compare-and-set
+                        (best effort owner checks)
+``celery_dedup.W011``   the store is a ``LocMemCache`` (one process only)
 ======================  ===============================================
 """
 
@@ -61,6 +64,8 @@ E_UNKNOWN_SCHEME: Final = "celery_dedup.E009"
 E_STORE_OPTIONS: Final = "celery_dedup.E010"
 E_NO_STORE: Final = "celery_dedup.E014"
 W_UNKNOWN_SETTING: Final = "celery_dedup.W001"
+W_BEST_EFFORT_CACHE: Final = "celery_dedup.W010"
+W_LOCMEM_CACHE: Final = "celery_dedup.W011"
 
 #: every setting celery-dedup reads
 KNOWN: Final = KNOWN_SETTINGS
@@ -193,4 +198,44 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
     no_store = _check_store_derivable()
     if no_store is not None:
         messages.append(no_store)
+    cache = _check_cache_store()
+    if cache is not None:
+        messages.append(cache)
     return messages
+
+
+def _check_cache_store() -> Warning | None:
+    """A ``django-cache`` store on a backend that cannot hold the lock contract."""
+    app = _app()
+    try:
+        url = derive_store_url(app) if app is not None else None
+    except Exception:  # an invalid dedup_store is reported by E001/E009
+        return None
+    if url is None or split_url(url)[0] != "django-cache":
+        return None
+    from django.conf import settings as django_settings
+
+    from ...stores.django_cache import CacheGuarantee, DjangoCacheStore
+
+    alias = url.partition("://")[2] or "default"
+    if alias not in django_settings.CACHES:
+        return None
+    backend = django_settings.CACHES[alias].get("BACKEND", "?")
+    guarantee = DjangoCacheStore(alias).guarantee()
+    if guarantee is CacheGuarantee.BEST_EFFORT:
+        return Warning(
+            f"CELERY_DEDUP_STORE uses cache {alias!r} ({backend}), which has no "
+            "compare-and-set: release, extend, take-over, the start check and revoke are "
+            "best effort (a late caller can free or overwrite a lock re-taken at the end "
+            "of its TTL)",
+            hint="Use a PyMemcacheCache or RedisCache cache, or django-db.",
+            id=W_BEST_EFFORT_CACHE,
+        )
+    if guarantee is CacheGuarantee.ATOMIC_IN_PROCESS:
+        return Warning(
+            f"CELERY_DEDUP_STORE uses cache {alias!r}, a LocMemCache: its locks live in "
+            "one process, so producers and workers in other processes never see them",
+            hint="Use a shared cache (PyMemcacheCache, RedisCache), or django-db.",
+            id=W_LOCMEM_CACHE,
+        )
+    return None
