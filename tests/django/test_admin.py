@@ -172,6 +172,17 @@ def test_non_staff_user_is_refused(pending: Any) -> None:
     assert pending.id not in client.get(URL, follow=True).content.decode()
 
 
+def test_anonymous_user_is_refused(pending: Any, celery_app: Any) -> None:
+    """Not logged in: sent to the login page; posting the release action frees nothing."""
+    client = Client()
+    response = client.get(URL)
+    assert response.status_code == 302 and "/admin/login/" in response["Location"]
+    value = json.dumps([pending.deduplication_key, pending.id])
+    posted = client.post(URL, {"action": "release_selected", "_selected_action": [value]})
+    assert posted.status_code == 302 and "/admin/login/" in posted["Location"]
+    assert runtime_for(celery_app).store.get(pending.deduplication_key) is not None
+
+
 def test_staff_without_model_permission_is_refused(pending: Any) -> None:
     """Staff without the lock model's view permission get 403."""
     client = _user("staff", staff=True, perms=())
