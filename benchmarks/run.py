@@ -1,146 +1,81 @@
-"""Benchmarks of celery-dedup against plain Celery and raw redis-py.
+"""Benchmarks of celery-dedup against plain Celery, raw drivers, celery-once and celery-singleton.
 
-Run from the repository root (after ``pip install -e '.[dev]'``)::
+Run from the repository root::
 
-    python benchmarks/run.py [--iterations 2000] [--rounds 3] [--json PATH]
+    python benchmarks/run.py            # full run (a few minutes: loads 1 000 000 locks)
+    python benchmarks/run.py --smoke    # seconds: small N, 10 000 locks instead of 1 000 000
 
-It starts two throwaway redis-servers on free loopback ports (a broker and a
-lock store, so the store's traffic can be counted on its own), measures, in
-one run:
-
-(a) enqueue overhead: ``DedupTask.apply_async`` taking a lock vs plain
-    ``Task.apply_async`` (Redis broker, no worker, queue purged after each round);
-(b) rejection throughput: duplicate calls per second vs raw redis-py
-    ``SET NX PX`` calls per second on an already-held key, on the store server;
-(c) ``RedisStore.acquire`` + ``release`` vs raw redis-py ``SET NX PX`` + ``DEL``;
-(d) store round trips per acquire, per duplicate and per release, counted on
-    the server (``INFO`` ``total_reads_processed`` and ``commandstats`` deltas),
-
-prints a table and writes JSON to ``benchmarks/results/latest.json``. Times
-are the best of ``--rounds`` rounds; what matters are the ratios, measured
-side by side on the same machine.
+It installs the ``bench`` extra's peers (celery-once, celery-singleton) when
+they are missing, starts its own redis-servers (broker, lock store) and a
+postgres on free loopback ports, measures everything as ratios in one run,
+prints a table and writes JSON (default ``benchmarks/results/latest.json``).
 """
 
 from __future__ import annotations
 
 import argparse
+import configparser
 import contextlib
+import importlib
 import itertools
 import json
 import os
 import platform
-import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
-from importlib.metadata import version
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
-import celery
-import redis
-from celery import Celery
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script: make ``benchmarks`` importable
+    sys.path.insert(0, str(ROOT))
 
-import celery_dedup
-from celery_dedup import DedupTask, release
-from celery_dedup.runtime import runtime_for
+import redis  # noqa: E402
 
-#: the queue every benchmark publishes to (purged, never consumed)
-QUEUE = "celery-dedup-bench"
-RESULTS = Path(__file__).resolve().parent / "results" / "latest.json"
-LOCK_SECONDS = 600
+from benchmarks.servers import postgres_server, redis_server, stop  # noqa: E402
 
-# -- throwaway redis-server (tests/fixtures/_servers.py without pytest) ------
+RESULTS = ROOT / "benchmarks" / "results" / "latest.json"
 
-_EXTRA_PATHS = ["/usr/sbin", "/sbin"]
+#: every row a run produces, in table order
+ROWS = (
+    "a_plain_apply_async", "b_raw_set_nx_px_held", "g_set_nx_plus_apply_async",
+    "c_dedup_first", "d_dedup_duplicate", "once_first", "once_duplicate",
+    "singleton_first", "singleton_duplicate", "e_worker_plain", "e_worker_dedup",
+    "f_acquire_small", "f_acquire_large", "f_bytes_per_lock", "f_bytes_per_lock_info",
+    "h_postgres_store", "h_postgres_raw", "h_sqlite_store", "h_sqlite_raw",
+)
+ROUND_TRIPS = ("acquire", "duplicate", "release", "release_api", "executed")
 
-
-def free_port() -> int:
-    """A TCP port nothing listens on right now, on 127.0.0.1."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+# -- dependencies -------------------------------------------------------------
 
 
-def wait_for_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 30) -> None:
-    """Wait until 127.0.0.1:port accepts connections."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"redis-server exited early with {proc.returncode}")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-            return
-        time.sleep(0.05)
-    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
+def ensure_bench_dependencies() -> None:
+    """Install the ``bench`` extra's requirements (setup.cfg) when one is missing."""
+    try:
+        import celery_once  # noqa: F401
+        import celery_singleton  # noqa: F401
+    except ImportError:
+        parser = configparser.ConfigParser()
+        parser.read(ROOT / "setup.cfg")
+        requirements = parser["options.extras_require"]["bench"].split()
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", *requirements], check=True)
 
 
-@contextlib.contextmanager
-def redis_server() -> Iterator[str]:
-    """Run a redis-server without persistence on a free port; yield its URL."""
-    binary = shutil.which("redis-server") or shutil.which(
-        "redis-server", path=os.pathsep.join(_EXTRA_PATHS)
-    )
-    if binary is None:
-        raise SystemExit("redis-server is not installed (Debian/Ubuntu: the redis-server package)")
-    port = free_port()
-    with tempfile.TemporaryDirectory(prefix="celery-dedup-bench-") as directory:
-        argv = [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "",
-                "--appendonly", "no", "--dir", directory]
-        proc = subprocess.Popen(
-            argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-        )
-        try:
-            wait_for_port(port, proc)
-            yield f"redis://127.0.0.1:{port}/0"
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(15)
+# -- measuring ----------------------------------------------------------------
 
 
-# -- what is measured ---------------------------------------------------------
-
-
-def build_app(broker_url: str, store_url: str) -> tuple[Celery, Any, Any]:
-    """An app with a plain task and a ``DedupTask`` that differ only in their base."""
-    app = Celery("celery_dedup_bench", set_as_current=False)
-    app.conf.update(
-        broker_url=broker_url,
-        dedup_store=store_url,
-        task_ignore_result=True,
-        task_default_queue=QUEUE,
-        broker_connection_retry_on_startup=False,
-        # Counters are flushed to the store every few seconds (one pipelined
-        # round trip); keep that out of the per-call counts.
-        dedup_metrics_flush_interval=3600,
-    )
-
-    @app.task(name="bench.plain", shared=False)
-    def plain(n: int) -> int:
-        return n
-
-    @app.task(name="bench.dedup", base=DedupTask, shared=False, unique_for=LOCK_SECONDS)
-    def dedup(n: int) -> int:
-        return n
-
-    return app, plain, dedup
-
-
-def best_seconds_per_op(
+def best_us(
     op: Callable[[int], object],
     iterations: int,
     rounds: int,
     after_round: Callable[[], object] | None = None,
 ) -> float:
-    """Best (lowest) mean seconds per call of ``op(i)`` over ``rounds`` rounds.
-
-    ``i`` is unique across every call, so keyed operations never collide.
-    """
+    """Best (lowest) mean µs per ``op(i)`` over ``rounds`` rounds (``i`` never repeats)."""
     counter = itertools.count()
     for _ in range(min(50, iterations)):  # warm up: connections, scripts, caches
         op(next(counter))
@@ -154,17 +89,17 @@ def best_seconds_per_op(
         best = min(best, (time.perf_counter() - start) / iterations)
         if after_round is not None:
             after_round()
-    return best
+    return best * 1e6
 
 
 class ServerCounter:
-    """Counts what one Redis server processed between two snapshots."""
+    """What one Redis server processed between two snapshots (``INFO``)."""
 
     def __init__(self, url: str) -> None:
         self.client = redis.Redis.from_url(url)
 
     def snapshot(self) -> tuple[int, dict[str, int]]:
-        """``(total_reads_processed, {command: calls})`` right now (one INFO)."""
+        """``(total_reads_processed, {command: calls})`` now."""
         info = self.client.info("all")
         calls = {
             name.removeprefix("cmdstat_"): int(stats["calls"])
@@ -173,162 +108,394 @@ class ServerCounter:
         }
         return int(info["total_reads_processed"]), calls
 
-    def per_op(self, op: Callable[[int], object], count: int) -> dict[str, Any]:
-        """Run ``op`` ``count`` times; return round trips and commands per call."""
+    @contextlib.contextmanager
+    def counting(self, count: int, into: dict[str, Any]) -> Iterator[None]:
+        """Fill ``into`` with round trips and client commands per op over the block."""
         reads_before, calls_before = self.snapshot()
-        for i in range(count):
-            op(i)
+        yield
         reads_after, calls_after = self.snapshot()
         # The second INFO is itself one read and one "info" call.
-        round_trips = (reads_after - reads_before - 1) / count
-        commands = {
+        into["round_trips"] = (reads_after - reads_before - 1) / count
+        into["commands"] = {
             name: (calls - calls_before.get(name, 0)) / count
             for name, calls in sorted(calls_after.items())
             if name != "info" and calls != calls_before.get(name, 0)
         }
-        return {"round_trips": round_trips, "commands": commands}
 
 
-def run(
-    broker_url: str, store_url: str, iterations: int = 2000, rounds: int = 3
-) -> dict[str, Any]:
-    """Run every benchmark; return the results (no printing).
+def load_app(broker_url: str, store_url: str) -> ModuleType:
+    """``benchmarks.app`` configured for these servers (re-imported when already loaded)."""
+    os.environ.update(BENCH_BROKER=broker_url, BENCH_STORE=store_url, BENCH_RESULTS="")
+    module = sys.modules.get("benchmarks.app")
+    return importlib.reload(module) if module else importlib.import_module("benchmarks.app")
 
-    ``store_url`` must be a Redis database the benchmark may flush, on a
-    server nothing else uses while it runs (the round-trip counts are
-    server-wide). ``broker_url`` may be any broker (``memory://`` too).
-    """
-    app, plain, dedup = build_app(broker_url, store_url)
+
+# -- the sections ---------------------------------------------------------------
+
+
+def enqueue_rows(bench: ModuleType, store_url: str, n: int, rounds: int) -> dict[str, float]:
+    """a, b, g, c, d and the peers' first enqueue and duplicate, µs per call."""
+    app, plain, dedup = bench.app, bench.plain, bench.dedup
+    once, singleton = bench.peer_tasks()
     raw = redis.Redis.from_url(store_url)
-    raw.flushdb()
-    store = runtime_for(app).store
-    assert store is not None
-    meta = {"task_name": "bench.store", "policy": "success"}
-    ttl_ms = LOCK_SECONDS * 1000
+    ttl_ms = bench.LOCK_SECONDS * 1000
 
     def purge() -> None:
         app.control.purge()
         raw.flushdb()
 
-    try:
-        # (a) enqueue overhead
-        plain_s = best_seconds_per_op(lambda i: plain.apply_async((i,)), iterations, rounds, purge)
-        dedup_s = best_seconds_per_op(lambda i: dedup.apply_async((i,)), iterations, rounds, purge)
+    def set_and_publish(i: int) -> None:
+        if raw.set(f"bench:g:{i}", "owner", nx=True, px=ttl_ms):
+            plain.apply_async((i,))
 
-        # (b) rejection throughput, on a key that stays held
-        holder = dedup.apply_async((-1,))
-        assert holder.deduplicated is False
-        assert dedup.apply_async((-1,)).deduplicated is True
-        duplicate_s = best_seconds_per_op(lambda i: dedup.apply_async((-1,)), iterations, rounds)
-        raw.set("bench:raw:held", "holder", nx=True, px=ttl_ms)
-        assert raw.set("bench:raw:held", "other", nx=True, px=ttl_ms) is None
-        raw_reject_s = best_seconds_per_op(
-            lambda i: raw.set("bench:raw:held", str(i), nx=True, px=ttl_ms), iterations, rounds
-        )
+    rows = {
+        "a_plain_apply_async": best_us(lambda i: plain.apply_async((i,)), n, rounds, purge),
+        "g_set_nx_plus_apply_async": best_us(set_and_publish, n, rounds, purge),
+        "c_dedup_first": best_us(lambda i: dedup.apply_async((i,)), n, rounds, purge),
+        "once_first": best_us(lambda i: once.apply_async((i,)), n, rounds, purge),
+        "singleton_first": best_us(lambda i: singleton.apply_async((i,)), n, rounds, purge),
+    }
+    raw.set("bench:b:held", "holder", px=ttl_ms)
+    rows["b_raw_set_nx_px_held"] = best_us(
+        lambda i: raw.set("bench:b:held", "other", nx=True, px=ttl_ms), n, rounds
+    )
+    for name, task in (("d_dedup", dedup), ("once", once), ("singleton", singleton)):
+        first = task.apply_async((-1,))
+        duplicate = task.apply_async((-1,))
+        # each library's own way of saying "not published": the holder's id, or none
+        assert duplicate.id in (first.id, None), name
+        rows[f"{name}_duplicate"] = best_us(lambda i, t=task: t.apply_async((-1,)), n, rounds)
+    assert dedup.apply_async((-1,)).deduplicated is True
+    purge()
+    raw.close()
+    return rows
 
-        # (c) acquire + release
-        def store_cycle(i: int) -> None:
-            key = f"bench:store:{i}"
-            store.acquire(key, "owner", LOCK_SECONDS, meta)
-            store.release(key, "owner")
 
-        def raw_cycle(i: int) -> None:
-            key = f"bench:raw:{i}"
-            raw.set(key, "owner", nx=True, px=ttl_ms)
-            raw.delete(key)
+def round_trip_rows(bench: ModuleType, store_url: str, count: int) -> dict[str, Any]:
+    """Store round trips per acquire, duplicate and release, counted on the server."""
+    from celery_dedup import release
+    from celery_dedup.results import owner_of
+    from celery_dedup.runtime import runtime_for
 
-        store_cycle_s = best_seconds_per_op(store_cycle, iterations, rounds)
-        raw_cycle_s = best_seconds_per_op(raw_cycle, iterations, rounds)
-        purge()
+    counter = ServerCounter(store_url)
+    trips: dict[str, Any] = {name: {} for name in ROUND_TRIPS if name != "executed"}
+    acquired: list[Any] = []
+    with counter.counting(count, trips["acquire"]):
+        for i in range(count):
+            acquired.append(bench.dedup.apply_async((10**9 + i,)))
+    assert all(result.deduplicated is False for result in acquired)
+    with counter.counting(count, trips["duplicate"]):
+        for i in range(count):
+            bench.dedup.apply_async((10**9 + i,))
+    store = runtime_for(bench.app).store
+    assert store is not None
+    store.get("bench:warm")  # load the scripts the releases use: no SCRIPT LOAD counted
+    store.release("bench:warm", "nobody")
+    half = count // 2
+    with counter.counting(half, trips["release"]):  # what the worker does at the end
+        for result in acquired[:half]:
+            assert store.release(result.deduplication_key, owner_of(result))
+    with counter.counting(count - half, trips["release_api"]):  # looks the holder up first
+        for result in acquired[half:]:
+            assert release(result, app=bench.app)
+    bench.app.control.purge()
+    counter.client.flushdb()
+    counter.client.close()
+    return trips
 
-        # (d) round trips per operation, through the public paths
-        counter = ServerCounter(store_url)
-        count = min(iterations, 200)
-        acquired: list[Any] = []
-        acquire = counter.per_op(lambda i: acquired.append(dedup.apply_async((10**9 + i,))), count)
-        assert all(result.deduplicated is False for result in acquired)
-        duplicate = counter.per_op(lambda i: dedup.apply_async((10**9 + i,)), count)
-        released = counter.per_op(lambda i: release(acquired[i], app=app), count)
-        assert all(store.get(result.deduplication_key) is None for result in acquired)
-        counter.client.close()
-        purge()
-    finally:
-        # Write the pending counters while the store still runs (not at exit).
-        runtime_for(app).metrics.flush()
-        raw.close()
-        app.close()
 
+def worker_rows(
+    bench: ModuleType, broker_url: str, store_url: str, tasks: int, trips: dict[str, Any]
+) -> dict[str, float]:
+    """Tasks per second through a real prefork worker: plain vs DedupTask (with claim + release).
+
+    The queue is filled while the worker consumes nothing, then consumption
+    starts and the clock runs until every result is stored.
+    """
+    results_url = broker_url.rsplit("/", 1)[0] + "/1"
+    results = redis.Redis.from_url(results_url)
+    env = {**os.environ, "BENCH_RESULTS": results_url,
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    argv = [sys.executable, "-m", "celery", "-A", "benchmarks.app", "worker", "-P", "prefork",
+            "-c", "2", "-Q", bench.QUEUE, "--without-gossip", "--without-mingle",
+            "--without-heartbeat", "-l", "WARNING"]
+    app = bench.app
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            deadline = time.monotonic() + 60
+            while not app.control.ping(timeout=0.5):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    log.seek(0)
+                    raise RuntimeError(f"the worker did not start: {log.read()[-2000:]!r}")
+            counter = ServerCounter(store_url)
+
+            def drain(task: Any, count: int, first: int) -> float:
+                """Fill the queue with ``count`` calls, then time the worker emptying it."""
+                app.control.cancel_consumer(bench.QUEUE, reply=True, timeout=5, limit=1)
+                results.flushdb()
+                for i in range(first, first + count):
+                    task.apply_async((i,))
+                start = time.perf_counter()
+                app.control.add_consumer(bench.QUEUE, reply=True, timeout=5, limit=1)
+                while results.dbsize() < count:
+                    time.sleep(0.002)
+                return count / (time.perf_counter() - start)
+
+            rows: dict[str, float] = {}
+            for name, task in (("e_worker_plain", bench.plain), ("e_worker_dedup", bench.dedup)):
+                drain(task, 20, -100)  # warm up: pool children connect, load scripts
+                executed: dict[str, Any] = {}
+                with counter.counting(tasks, executed):
+                    rows[name] = drain(task, tasks, 0)
+                if task is bench.dedup:
+                    # the tasks' acquires were counted too: one round trip each
+                    acquire = trips["acquire"]
+                    executed["round_trips"] -= acquire["round_trips"]
+                    commands = executed["commands"]
+                    executed["commands"] = {
+                        k: v - acquire["commands"].get(k, 0) for k, v in commands.items()
+                        if v != acquire["commands"].get(k, 0)
+                    }
+                    trips["executed"] = executed
+            assert not list(counter.client.scan_iter(f"*{bench.DEDUP_NAME}*")), "locks left"
+            counter.client.close()
+        finally:
+            stop(proc)
+            results.close()
+    return rows
+
+
+FILL = """
+local last = tonumber(ARGV[2]) + tonumber(ARGV[3]) - 1
+for i = tonumber(ARGV[2]), last do
+    local h = redis.sha1hex(tostring(i))
+    redis.call('restore', ARGV[4] .. h .. string.sub(h, 1, 24), ARGV[5], ARGV[1])
+end
+return last
+"""
+
+
+def scale_rows(bench: ModuleType, store_url: str, small: int, large: int, n: int,
+               rounds: int) -> dict[str, float]:
+    """Acquire µs at ``small`` vs ``large`` live locks; bytes per live lock.
+
+    The locks are copies (``DUMP``/``RESTORE``, in batches run by a Lua
+    script) of a real lock taken by ``DedupTask``, so they have its layout.
+    """
+    from celery_dedup.runtime import runtime_for
+
+    raw = redis.Redis.from_url(store_url)
+    raw.flushdb()
+    store = runtime_for(bench.app).store
+    assert store is not None
+    holder = bench.dedup.apply_async((-7,))
+    key = holder.deduplication_key
+    rows = {"f_bytes_per_lock": float(raw.memory_usage(key, samples=0) or 0)}
+    dump = raw.dump(key)
+    prefix = key.rsplit(":", 1)[0] + ":"
+    fill = raw.register_script(FILL)
+    meta = {"task_name": bench.DEDUP_NAME, "policy": "success", "task_id": "t" * 36}
+    keys = itertools.count()
+
+    def acquire(_: int) -> None:
+        store.acquire(f"{prefix}acquire-{next(keys)}", "f" * 32, bench.LOCK_SECONDS, meta)
+
+    def fill_to(total: int) -> None:
+        loaded = raw.dbsize()
+        while loaded < total:
+            batch = min(20_000, total - loaded)
+            fill(args=[dump, loaded, batch, prefix, bench.LOCK_SECONDS * 1000])
+            loaded += batch
+
+    fill_to(small)
+    rows["f_acquire_small"] = best_us(acquire, n, rounds)
+    used_before, size_before = raw.info("memory")["used_memory"], raw.dbsize()
+    fill_to(large)
+    used_after, size_after = raw.info("memory")["used_memory"], raw.dbsize()
+    rows["f_bytes_per_lock_info"] = (used_after - used_before) / (size_after - size_before)
+    rows["f_acquire_large"] = best_us(acquire, n, rounds)
+    raw.flushdb()
+    raw.close()
+    return rows
+
+
+def sql_rows(postgres_url: str, n: int, rounds: int) -> dict[str, float]:
+    """SQLStore.acquire vs a raw ``INSERT … ON CONFLICT DO NOTHING`` on Postgres and SQLite."""
+    from sqlalchemy import create_engine, text
+
+    from celery_dedup.stores.sql import SQLStore
+
+    rows: dict[str, float] = {}
+    meta = {"task_name": "bench.sql", "policy": "success", "task_id": "t" * 36}
+    with tempfile.TemporaryDirectory(prefix="celery-dedup-bench-sqlite-") as directory:
+        for name, url in (("postgres", postgres_url), ("sqlite", f"sqlite:///{directory}/b.db")):
+            store = SQLStore(url, reap_interval=0)
+            store.acquire("warm", "owner", 60, meta)  # creates the tables
+            engine = create_engine(url, isolation_level="AUTOCOMMIT")
+            with engine.connect() as conn:
+                conn.execute(text("CREATE TABLE raw_locks (key VARCHAR(255) PRIMARY KEY, "
+                                  "owner VARCHAR(64) NOT NULL, expires FLOAT NOT NULL)"))
+            upsert = text("INSERT INTO raw_locks (key, owner, expires) VALUES (:k, :o, :e) "
+                          "ON CONFLICT DO NOTHING")
+
+            def raw_insert(i: int, engine: Any = engine, upsert: Any = upsert) -> None:
+                with engine.connect() as conn:
+                    conn.execute(upsert, {"k": f"k{i}", "o": "owner", "e": time.time() + 60})
+
+            def store_acquire(i: int, store: SQLStore = store) -> None:
+                store.acquire(f"k{i}", "owner", 60, meta)
+
+            rows[f"h_{name}_raw"] = best_us(raw_insert, n, rounds)
+            rows[f"h_{name}_store"] = best_us(store_acquire, n, rounds)
+            engine.dispose()
+            store.engine.dispose()
+    return rows
+
+
+# -- the run --------------------------------------------------------------------
+
+
+def run(*, smoke: bool = False, iterations: int | None = None, rounds: int | None = None,
+        worker_tasks: int | None = None) -> dict[str, Any]:
+    """Start the servers, run every section, return the results (no printing)."""
+    ensure_bench_dependencies()
+    import celery
+    import celery_once  # noqa: F401
+    import celery_singleton  # noqa: F401
+
+    import celery_dedup
+
+    n = iterations or (30 if smoke else 2000)
+    r = rounds or (1 if smoke else 3)
+    tasks = worker_tasks or (50 if smoke else 2000)
+    small, large = (1_000, 10_000) if smoke else (1_000, 1_000_000)
+    with redis_server() as broker_url, redis_server() as store_url:
+        bench = load_app(broker_url, store_url)
+        try:
+            rows = enqueue_rows(bench, store_url, n, r)
+            trips = round_trip_rows(bench, store_url, min(n, 200))
+            rows.update(worker_rows(bench, broker_url, store_url, tasks, trips))
+            rows.update(scale_rows(bench, store_url, small, large, n, r))
+            server = redis.Redis.from_url(store_url).info("server")["redis_version"]
+        finally:
+            bench.app.close()
+    with postgres_server() as postgres_url:
+        rows.update(sql_rows(postgres_url, min(n, 500), r))
     return {
         "meta": {
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "iterations": iterations,
-            "rounds": rounds,
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-            "celery": celery.__version__,
-            "kombu": version("kombu"),
-            "redis_py": redis.__version__,
-            "redis_server": redis.Redis.from_url(store_url).info("server")["redis_version"],
-            "celery_dedup": celery_dedup.__version__,
-            "broker": broker_url.partition("://")[0],
+            "smoke": smoke, "iterations": n, "rounds": r, "worker_tasks": tasks,
+            "live_locks": [small, large], "python": platform.python_version(),
+            "platform": platform.platform(), "cpus": os.cpu_count(),
+            "celery": celery.__version__, "redis_py": redis.__version__,
+            "redis_server": server, "celery_dedup": celery_dedup.__version__,
+            "celery_once": _version("celery-once"),
+            "celery_singleton": _version("celery-singleton"),
         },
-        "enqueue": {
-            "plain_apply_async_us": plain_s * 1e6,
-            "dedup_apply_async_us": dedup_s * 1e6,
-            "ratio": dedup_s / plain_s,
-        },
-        "rejection": {
-            "dedup_duplicates_per_s": 1 / duplicate_s,
-            "raw_set_nx_px_per_s": 1 / raw_reject_s,
-            "ratio": raw_reject_s / duplicate_s,
-        },
-        "acquire_release": {
-            "store_acquire_release_us": store_cycle_s * 1e6,
-            "raw_set_nx_del_us": raw_cycle_s * 1e6,
-            "ratio": store_cycle_s / raw_cycle_s,
-        },
-        "round_trips": {"acquire": acquire, "duplicate": duplicate, "release": released},
+        "rows": rows,
+        "round_trips": trips,
+        "targets": targets(rows),
     }
 
 
-def format_table(results: dict[str, Any]) -> str:
-    """The results as a plain-text table."""
-    e, r, c, t = (results[k] for k in ("enqueue", "rejection", "acquire_release", "round_trips"))
-    m = results["meta"]
-    rows = [
-        ("(a) enqueue: plain Task.apply_async", f"{e['plain_apply_async_us']:.1f} µs/call", ""),
-        ("    DedupTask.apply_async (new lock)", f"{e['dedup_apply_async_us']:.1f} µs/call",
-         f"x{e['ratio']:.2f}"),
-        ("(b) reject: raw SET NX PX (held key)", f"{r['raw_set_nx_px_per_s']:,.0f} /s", ""),
-        ("    DedupTask duplicate call", f"{r['dedup_duplicates_per_s']:,.0f} /s",
-         f"x{r['ratio']:.2f}"),
-        ("(c) raw SET NX PX + DEL", f"{c['raw_set_nx_del_us']:.1f} µs", ""),
-        ("    RedisStore acquire + release", f"{c['store_acquire_release_us']:.1f} µs",
-         f"x{c['ratio']:.2f}"),
+def _version(dist: str) -> str:
+    from importlib.metadata import version
+
+    return version(dist)
+
+
+def targets(rows: dict[str, float]) -> list[dict[str, Any]]:
+    """Each target of the issue: the measured figure, the bound and whether it is met."""
+    def speed(x: str, over: str) -> float:  # how many times faster x is than ``over``
+        return rows[over] / rows[x]
+
+    checks = [
+        ("first enqueue vs g (speed)", speed("c_dedup_first", "g_set_nx_plus_apply_async"),
+         ">=", 0.95),
+        ("duplicate vs a (speed)", speed("d_dedup_duplicate", "a_plain_apply_async"), ">=", 4.0),
+        ("duplicate vs celery-once", speed("d_dedup_duplicate", "once_duplicate"), ">=", 1.0),
+        ("duplicate vs celery-singleton", speed("d_dedup_duplicate", "singleton_duplicate"),
+         ">=", 1.0),
+        ("first enqueue vs celery-once", speed("c_dedup_first", "once_first"), ">=", 1.0),
+        ("first enqueue vs celery-singleton", speed("c_dedup_first", "singleton_first"),
+         ">=", 1.0),
+        ("worker throughput vs plain", rows["e_worker_dedup"] / rows["e_worker_plain"],
+         ">=", 0.9),
+        ("acquire at large vs small", rows["f_acquire_large"] / rows["f_acquire_small"],
+         "<=", 1.2),
+        ("bytes per live lock", rows["f_bytes_per_lock"], "<=", 200.0),
+        ("postgres acquire vs raw upsert", rows["h_postgres_store"] / rows["h_postgres_raw"],
+         "<=", 1.5),
+        ("sqlite acquire vs raw upsert", rows["h_sqlite_store"] / rows["h_sqlite_raw"],
+         "<=", 1.5),
     ]
-    for name in ("acquire", "duplicate", "release"):
-        cmds = ", ".join(f"{k} {v:g}" for k, v in t[name]["commands"].items())
-        rows.append((f"(d) store round trips per {name}", f"{t[name]['round_trips']:g}", cmds))
-    width = max(len(row[0]) for row in rows)
+    return [
+        {"target": name, "value": value, "bound": f"{op} {bound:g}",
+         "met": value >= bound if op == ">=" else value <= bound}
+        for name, value, op, bound in checks
+    ]
+
+
+LABELS = {
+    "a_plain_apply_async": ("(a) plain Task.apply_async", "µs"),
+    "b_raw_set_nx_px_held": ("(b) raw SET NX PX (held key)", "µs"),
+    "g_set_nx_plus_apply_async": ("(g) SET NX + plain apply_async", "µs"),
+    "c_dedup_first": ("(c) DedupTask first enqueue", "µs"),
+    "d_dedup_duplicate": ("(d) DedupTask duplicate", "µs"),
+    "once_first": ("    celery-once first enqueue", "µs"),
+    "once_duplicate": ("    celery-once duplicate", "µs"),
+    "singleton_first": ("    celery-singleton first enqueue", "µs"),
+    "singleton_duplicate": ("    celery-singleton duplicate", "µs"),
+    "e_worker_plain": ("(e) worker, plain task", "tasks/s"),
+    "e_worker_dedup": ("    worker, DedupTask", "tasks/s"),
+    "f_acquire_small": ("(f) acquire, few live locks", "µs"),
+    "f_acquire_large": ("    acquire, many live locks", "µs"),
+    "f_bytes_per_lock": ("    bytes per lock (MEMORY USAGE)", "B"),
+    "f_bytes_per_lock_info": ("    bytes per lock (INFO delta)", "B"),
+    "h_postgres_store": ("(h) SQLStore.acquire, Postgres", "µs"),
+    "h_postgres_raw": ("    raw INSERT ON CONFLICT, Postgres", "µs"),
+    "h_sqlite_store": ("    SQLStore.acquire, SQLite", "µs"),
+    "h_sqlite_raw": ("    raw INSERT ON CONFLICT, SQLite", "µs"),
+}
+
+
+def format_table(results: dict[str, Any]) -> str:
+    """The results as a plain-text table (µs rows also as speed relative to a)."""
+    rows, m = results["rows"], results["meta"]
+    floor = rows["a_plain_apply_async"]
     lines = [
         f"celery-dedup {m['celery_dedup']} · celery {m['celery']} · redis-server "
-        f"{m['redis_server']} · Python {m['python']} · {m['iterations']} iterations, "
-        f"best of {m['rounds']}",
+        f"{m['redis_server']} · Python {m['python']} · {m['cpus']} CPUs · n={m['iterations']}, "
+        f"best of {m['rounds']} · live locks {m['live_locks'][0]:,} / {m['live_locks'][1]:,}",
         "",
     ]
-    lines += [f"{a:<{width}}  {b:>16}  {c_}" for a, b, c_ in rows]
+    for key in ROWS:
+        label, unit = LABELS[key]
+        ratio = f"{floor / rows[key]:.2f}x a" if unit == "µs" and key < "e" else ""
+        lines.append(f"{label:<38} {rows[key]:>12,.1f} {unit:<8} {ratio}")
+    lines.append("")
+    for name in ROUND_TRIPS:
+        trip = results["round_trips"][name]
+        cmds = ", ".join(f"{k} {v:g}" for k, v in trip["commands"].items())
+        lines.append(f"store round trips per {name:<16} {trip['round_trips']:>6g}   {cmds}")
+    lines.append("")
+    for target in results["targets"]:
+        state = "met" if target["met"] else "MISSED"
+        lines.append(f"{target['target']:<38} {target['value']:>9.2f} {target['bound']:<8} {state}")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Start the servers, run, print the table and write the JSON file."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--iterations", type=int, default=2000, help="calls per round")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds; the best one counts")
+    """Run, print the table, write the JSON file."""
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="seconds, small N (CI)")
+    parser.add_argument("--iterations", type=int, help="calls per round")
+    parser.add_argument("--rounds", type=int, help="rounds; the best one counts")
     parser.add_argument("--json", type=Path, default=RESULTS, help="where to write the results")
     args = parser.parse_args(argv)
-    with redis_server() as broker_url, redis_server() as store_url:
-        results = run(broker_url, store_url, args.iterations, args.rounds)
+    results = run(smoke=args.smoke, iterations=args.iterations, rounds=args.rounds)
     print(format_table(results))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=2) + "\n")
