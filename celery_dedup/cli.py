@@ -37,10 +37,9 @@ from kombu.utils.json import dumps
 
 from .api import release as release_lock
 from .exceptions import ScanNotSupported, StoreUnavailable
-from .identity import deterministic_task_id
 from .metrics import EVENTS, live_locks
 from .reaper import reap as reap_locks
-from .reaper import should_release
+from .reaper import result_of_this_run, should_release
 from .runtime import Runtime, runtime_for
 from .stores.base import Lock, LockStore
 from .worker import short
@@ -130,24 +129,6 @@ def holder_state(app: Any, task_id: str) -> str:
     return _holder_meta(app, task_id)[0]
 
 
-def _written_after(done: Any, lock: Lock) -> bool:
-    """Whether a result stored at ``done`` belongs to the run holding ``lock``.
-
-    A result belongs to a task id, not a run: an older run of a reused id
-    (``deterministic_id``) must not pass for this one, so (as the reaper
-    does) deterministic ids never count, others only for a newer result.
-    """
-    if lock.task_id == deterministic_task_id(lock.key):
-        return False
-    if isinstance(done, str):
-        done = datetime.fromisoformat(done)
-    if not isinstance(done, datetime):
-        return False
-    if done.tzinfo is None:
-        done = done.replace(tzinfo=timezone.utc)
-    return bool(done.timestamp() >= lock.acquired_at)
-
-
 @dataclass(frozen=True)
 class Assessment:
     """A lock, what its holder is doing, and whether its policy still needs the lock."""
@@ -183,7 +164,7 @@ def assess(app: Any, lock: Lock) -> Assessment:
     """
     state, done = _holder_meta(app, lock.task_id)
     left = duration(lock.ttl)
-    finished = state in FINISHED_STATES and _written_after(done, lock)
+    finished = state in FINISHED_STATES and result_of_this_run(done, lock)
     releases = finished and should_release(lock, state)
     if releases and lock.started:
         why = (f"its holder ended {state} and unique_until={lock.policy!r} releases "

@@ -33,7 +33,7 @@ from .stores.base import Lock
 if TYPE_CHECKING:
     from celery import Celery
 
-__all__ = ["REAP_TASK_NAME", "reap", "register_reaper", "should_release"]
+__all__ = ["REAP_TASK_NAME", "reap", "register_reaper", "result_of_this_run", "should_release"]
 
 logger = logging.getLogger("celery_dedup")
 
@@ -56,9 +56,15 @@ def should_release(lock: Lock, state: str) -> bool:
     return False
 
 
-def _finished_after_acquire(date_done: Any, lock: Lock) -> bool:
-    # With deterministic ids a new holder reuses an old id: an old result must
-    # not free the new run's lock, so only a result newer than the lock counts.
+def result_of_this_run(date_done: Any, lock: Lock) -> bool:
+    """Whether a result stored at ``date_done`` belongs to the run holding ``lock``.
+
+    A result belongs to a task id, not a run: an older run of a reused id
+    (``deterministic_id``) must not pass for this one, so deterministic ids
+    never count, and others only for a result newer than the lock.
+    """
+    if lock.task_id == deterministic_task_id(lock.key):
+        return False
     if isinstance(date_done, str):
         date_done = datetime.fromisoformat(date_done)
     if not isinstance(date_done, datetime):
@@ -80,11 +86,11 @@ def reap(app: Celery, *, task_name: str | None = None) -> list[Lock]:
     prefix = f"{runtime.settings.key_prefix}:{task_name + ':' if task_name else ''}"
     released: list[Lock] = []
     for lock in list(store.scan(prefix)):
-        if not lock.started or lock.task_id == deterministic_task_id(lock.key):
+        if not lock.started:
             continue
         result = app.AsyncResult(lock.task_id)
         state = result.state
-        if not should_release(lock, state) or not _finished_after_acquire(result.date_done, lock):
+        if not should_release(lock, state) or not result_of_this_run(result.date_done, lock):
             continue
         if store.release(lock.key, lock.owner):
             released.append(lock)
