@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -19,37 +18,11 @@ from celery_dedup import DeduplicationUnavailable, DedupTask, inspect_lock
 from celery_dedup.runtime import runtime_for
 from celery_dedup.signals import dedup_fallback
 from tests.fixtures._servers import running
+from tests.fixtures.logs import DedupLog
 from tests.fixtures.rabbitmq import RabbitMQServer
 from tests.fixtures.redis import RedisServer, start_redis
 
 BROKER_DB, BACKEND_DB = 12, 13
-
-
-class Records(logging.Handler):
-    """Collects the ``celery_dedup`` logger's records."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-    def warnings(self) -> list[str]:
-        return [r.getMessage() for r in self.records if r.levelno == logging.WARNING]
-
-
-@pytest.fixture
-def dedup_log() -> Iterator[Records]:
-    """Every record logged under ``celery_dedup`` during the test."""
-    handler = Records()
-    logger = logging.getLogger("celery_dedup")
-    previous = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-    yield handler
-    logger.removeHandler(handler)
-    logger.setLevel(previous)
 
 
 @pytest.fixture
@@ -108,18 +81,25 @@ def declared(rabbitmq: RabbitMQServer, queue: str) -> Iterator[str]:
             conn.default_channel.queue_delete(queue)
 
 
-def test_no_store_open_publishes_every_call_and_warns_once(
-    rabbitmq_server: RabbitMQServer,
-    apps: Callable[..., Celery],
-    dedup_log: Records,
-    fallbacks: list[dict[str, Any]],
-) -> None:
-    """rpc:// results on AMQP give no store: open mode publishes all calls, one warning total."""
-    app = apps(broker_url=rabbitmq_server.url, result_backend="rpc://", dedup_fallback="open")
+def identity_job(app: Celery) -> Any:
+    """``job(x)``, held 60 s, returning ``x``."""
 
     @app.task(base=DedupTask, shared=False, unique_for=60)
     def job(x: int) -> int:
         return x
+
+    return job
+
+
+def test_no_store_open_publishes_every_call_and_warns_once(
+    rabbitmq_server: RabbitMQServer,
+    apps: Callable[..., Celery],
+    dedup_log: DedupLog,
+    fallbacks: list[dict[str, Any]],
+) -> None:
+    """rpc:// results on AMQP give no store: open mode publishes all calls, one warning total."""
+    app = apps(broker_url=rabbitmq_server.url, result_backend="rpc://", dedup_fallback="open")
+    job = identity_job(app)
 
     with declared(rabbitmq_server, app.conf.task_default_queue) as queue:
         results = [job.delay(1) for _ in range(3)]
@@ -138,10 +118,7 @@ def test_no_store_closed_raises_and_publishes_nothing(
 ) -> None:
     """Closed mode raises DeduplicationUnavailable (a RuntimeError); the queue stays empty."""
     app = apps(broker_url=rabbitmq_server.url, result_backend="rpc://", dedup_fallback="closed")
-
-    @app.task(base=DedupTask, shared=False, unique_for=60)
-    def job(x: int) -> int:
-        return x
+    job = identity_job(app)
 
     with declared(rabbitmq_server, app.conf.task_default_queue) as queue:
         with pytest.raises(DeduplicationUnavailable) as info:
@@ -160,7 +137,7 @@ def test_store_stopped_mid_test(
     mode: str,
     redis_dbs: RedisServer,
     apps: Callable[..., Celery],
-    dedup_log: Records,
+    dedup_log: DedupLog,
     fallbacks: list[dict[str, Any]],
     tmp_path: Path,
 ) -> None:
@@ -172,10 +149,7 @@ def test_store_stopped_mid_test(
         dedup_store=f"redis://127.0.0.1:{port}/0",
         dedup_fallback=mode,
     )
-
-    @app.task(base=DedupTask, shared=False, unique_for=60)
-    def job(x: int) -> int:
-        return x
+    job = identity_job(app)
 
     queue = app.conf.task_default_queue
     broker = redis_dbs.client(BROKER_DB)
@@ -211,7 +185,7 @@ def test_store_stopped_mid_test(
 def test_release_outage_on_the_worker_is_logged_and_task_succeeds(
     redis_dbs: RedisServer,
     apps: Callable[..., Celery],
-    dedup_log: Records,
+    dedup_log: DedupLog,
     tmp_path: Path,
 ) -> None:
     """If the store dies while the task runs, the failed release is logged; the task succeeds."""

@@ -7,10 +7,10 @@ publish duplicates while the first message is queued or in flight.
 
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -18,11 +18,12 @@ from celery import Celery
 from celery.contrib.testing.worker import start_worker
 from celery.signals import before_task_publish
 
-from celery_dedup import DeduplicationUnavailable, DedupTask, inspect_lock
+from celery_dedup import DeduplicationUnavailable, DedupTask, dedup_key_for, inspect_lock
 from celery_dedup.identity import deterministic_task_id
 from celery_dedup.runtime import runtime_for
 from celery_dedup.stores.memory import MemoryStore
 from tests.fixtures._servers import free_port
+from tests.fixtures.logs import DedupLog
 from tests.fixtures.redis import RedisServer
 from tests.fixtures.sqs import SQSServer
 
@@ -78,22 +79,6 @@ def memory_store() -> Iterator[tuple[str, MemoryStore]]:
 
 
 @pytest.fixture
-def dedup_log() -> Iterator[list[logging.LogRecord]]:
-    """The WARNING records of the ``celery_dedup`` logger during the test."""
-    records: list[logging.LogRecord] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record)
-
-    handler = Collect(logging.WARNING)
-    logger = logging.getLogger("celery_dedup")
-    logger.addHandler(handler)
-    yield records
-    logger.removeHandler(handler)
-
-
-@pytest.fixture
 def published() -> Iterator[list[tuple[Any, Any]]]:
     """``(task id, MessageDeduplicationId property)`` of every task message published."""
     seen: list[tuple[Any, Any]] = []
@@ -114,6 +99,45 @@ def sync_task(app: Celery, **attrs: Any) -> Any:
         return user_id
 
     return sync
+
+
+@contextmanager
+def solo_worker(app: Celery, queues: list[str]) -> Iterator[None]:
+    """A solo-pool worker consuming ``queues`` for the duration of the block."""
+    with start_worker(
+        app,
+        pool="solo",
+        queues=queues,
+        perform_ping_check=False,
+        shutdown_timeout=30,
+        loglevel="WARNING",
+    ):
+        yield
+
+
+@contextmanager
+def flushed_db(redis_server: RedisServer, db: int) -> Iterator[Any]:
+    """A client on Redis database ``db``, emptied before and after the block."""
+    client = redis_server.client(db)
+    client.flushdb()
+    try:
+        yield client
+    finally:
+        client.flushdb()
+        client.close()
+
+
+def routed_twice(
+    make_app: Callable[..., Celery], url: str, default: str, routed: str, value: int
+) -> tuple[Any, Any, Any]:
+    """``sync`` sent by ``task_routes`` to ``routed`` (default queue ``default``), called twice."""
+    app = make_app(
+        dedup_store=url,
+        task_default_queue=default,
+        task_routes={f"{__name__}.sync": {"queue": routed}},
+    )
+    sync = sync_task(app)
+    return sync, sync.delay(value), sync.delay(value)
 
 
 def test_identical_calls_publish_one_message_with_the_key_digest(
@@ -259,7 +283,7 @@ def test_native_never_uses_the_store_on_fifo(
 def test_unhonoured_window_warns_once_per_task_and_queue(
     make_app: Callable[..., Celery],
     memory_store: tuple[str, MemoryStore],
-    dedup_log: list[logging.LogRecord],
+    dedup_log: DedupLog,
 ) -> None:
     """``unique_for=600`` on a FIFO queue logs one WARNING; the exact 5-minute window logs none."""
     url, _ = memory_store
@@ -280,7 +304,7 @@ def test_unhonoured_window_warns_once_per_task_and_queue(
     exact_window.delay(1)
     exact_window.delay(2)
 
-    messages = [r.getMessage() for r in dedup_log if r.levelno == logging.WARNING]
+    messages = dedup_log.warnings()
     assert len(messages) == 1, messages
     assert long_window.name in messages[0] and queue in messages[0]
     assert "unique_for=600" in messages[0]
@@ -296,38 +320,26 @@ def test_worker_runs_each_distinct_call_once(
     """A real worker on the FIFO queue runs A once and B once after publishes A, A, B."""
     url, store = memory_store
     queue = _name("flow") + ".fifo"
-    backend = redis_server.client(FLOW_DB)
-    backend.flushdb()
-    app = make_app(
-        dedup_store=url, task_default_queue=queue, result_backend=redis_server.url(FLOW_DB)
-    )
-    runs: list[str] = []
+    with flushed_db(redis_server, FLOW_DB):
+        app = make_app(
+            dedup_store=url, task_default_queue=queue, result_backend=redis_server.url(FLOW_DB)
+        )
+        runs: list[str] = []
 
-    @app.task(base=DedupTask, shared=False, unique_for=300, unique_until="expiry")
-    def sync(name: str) -> str:
-        runs.append(name)
-        return name.upper()
+        @app.task(base=DedupTask, shared=False, unique_for=300, unique_until="expiry")
+        def sync(name: str) -> str:
+            runs.append(name)
+            return name.upper()
 
-    try:
         a1, a2, b = sync.delay("a"), sync.delay("a"), sync.delay("b")
         assert a1.id == a2.id != b.id
         assert sqs_server.queue_length(queue) == 2
-        with start_worker(
-            app,
-            pool="solo",
-            queues=[queue],
-            perform_ping_check=False,
-            shutdown_timeout=30,
-            loglevel="WARNING",
-        ):
+        with solo_worker(app, [queue]):
             assert a1.get(timeout=30) == "A"
             assert b.get(timeout=30) == "B"
             _wait(lambda: sqs_server.queue_length(queue) == 0)
         assert sorted(runs) == ["a", "b"]
         assert list(store.scan("")) == []
-    finally:
-        backend.flushdb()
-        backend.close()
 
 
 def test_retry_on_fifo_is_not_dropped_as_a_duplicate(
@@ -340,44 +352,35 @@ def test_retry_on_fifo_is_not_dropped_as_a_duplicate(
     """A ``self.retry()`` republished while the first message is in flight still runs."""
     url, _ = memory_store
     queue = _name("retry") + ".fifo"
-    backend = redis_server.client(RETRY_DB)
-    backend.flushdb()
-    app = make_app(
-        dedup_store=url,
-        task_default_queue=queue,
-        result_backend=redis_server.url(RETRY_DB),
-        result_extended=True,
-    )
-    attempts: list[int] = []
+    with flushed_db(redis_server, RETRY_DB):
+        app = make_app(
+            dedup_store=url,
+            task_default_queue=queue,
+            result_backend=redis_server.url(RETRY_DB),
+            result_extended=True,
+        )
+        attempts: list[int] = []
 
-    # acks_late keeps the first message in the queue (in flight) while the retry
-    # is published, so moto would drop a retry that reused its deduplication id.
-    @app.task(
-        base=DedupTask,
-        shared=False,
-        bind=True,
-        acks_late=True,
-        max_retries=3,
-        unique_for=300,
-        unique_until="expiry",
-    )
-    def flaky(self: DedupTask, name: str) -> str:
-        attempts.append(self.request.retries)
-        if self.request.retries == 0:
-            raise self.retry(countdown=0.5)
-        return name.upper()
+        # acks_late keeps the first message in the queue (in flight) while the retry
+        # is published, so moto would drop a retry that reused its deduplication id.
+        @app.task(
+            base=DedupTask,
+            shared=False,
+            bind=True,
+            acks_late=True,
+            max_retries=3,
+            unique_for=300,
+            unique_until="expiry",
+        )
+        def flaky(self: DedupTask, name: str) -> str:
+            attempts.append(self.request.retries)
+            if self.request.retries == 0:
+                raise self.retry(countdown=0.5)
+            return name.upper()
 
-    try:
         result = flaky.delay("x")
         assert result.deduplicated is None
-        with start_worker(
-            app,
-            pool="solo",
-            queues=[queue],
-            perform_ping_check=False,
-            shutdown_timeout=30,
-            loglevel="WARNING",
-        ):
+        with solo_worker(app, [queue]):
             assert result.get(timeout=30) == "X"
             _wait(lambda: sqs_server.queue_length(queue) == 0)
         assert result.state == "SUCCESS"
@@ -387,9 +390,6 @@ def test_retry_on_fifo_is_not_dropped_as_a_duplicate(
         assert len(ours) == 2
         assert ours[0] == _digest(result.deduplication_key)
         assert ours[1] != ours[0]
-    finally:
-        backend.flushdb()
-        backend.close()
 
 
 # -- routed queues (task_routes, routers): native mode decides per routed queue --
@@ -403,20 +403,9 @@ def test_call_routed_to_fifo_from_a_standard_default_is_native(
     memory_store: tuple[str, MemoryStore],
 ) -> None:
     """``task_routes`` sends the task to a FIFO queue, the default queue is standard: native."""
-    from celery_dedup import dedup_key_for
-
     url, store = memory_store
     fifo, plain = _name("routed") + ".fifo", _name("routed-default")
-    app = make_app(
-        dedup_store=url,
-        task_default_queue=plain,
-        task_routes={f"{__name__}.sync": {"queue": fifo}},
-    )
-
-    sync = sync_task(app)
-
-    first = sync.delay(7)
-    second = sync.delay(7)
+    sync, first, second = routed_twice(make_app, url, plain, fifo, 7)
 
     key = first.deduplication_key
     assert key is not None and key == dedup_key_for(sync, (7,))
@@ -436,20 +425,9 @@ def test_call_routed_to_standard_from_a_fifo_default_uses_the_store(
     memory_store: tuple[str, MemoryStore],
 ) -> None:
     """The reverse: the default queue is FIFO, the route a standard queue: a store lock."""
-    from celery_dedup import dedup_key_for
-
     url, store = memory_store
     fifo, plain = _name("rev-default") + ".fifo", _name("rev-routed")
-    app = make_app(
-        dedup_store=url,
-        task_default_queue=fifo,
-        task_routes={f"{__name__}.sync": {"queue": plain}},
-    )
-
-    sync = sync_task(app)
-
-    first = sync.delay(8)
-    second = sync.delay(8)
+    sync, first, second = routed_twice(make_app, url, fifo, plain, 8)
 
     assert first.deduplicated is False
     assert second.deduplicated is True and second.id == first.id
@@ -472,45 +450,33 @@ def test_router_by_argument_picks_native_per_call(
     each distinct call runs once; only the standard-queue call holds a store lock."""
     url, store = memory_store
     fifo, plain = _name("parity") + ".fifo", _name("parity-plain")
-    runs = redis_server.client(ROUTED_DB)
-    runs.flushdb()
+    with flushed_db(redis_server, ROUTED_DB) as runs:
 
-    def by_parity(name: str, args: Any, *_: Any, **__: Any) -> Any:
-        if name != f"{__name__}.sync":
-            return None
-        return {"queue": fifo if args[0] % 2 == 0 else plain}
+        def by_parity(name: str, args: Any, *_: Any, **__: Any) -> Any:
+            if name != f"{__name__}.sync":
+                return None
+            return {"queue": fifo if args[0] % 2 == 0 else plain}
 
-    app = make_app(
-        dedup_store=url,
-        task_default_queue=_name("parity-default"),
-        task_routes=(by_parity,),
-        result_backend=redis_server.url(ROUTED_DB),
-    )
+        app = make_app(
+            dedup_store=url,
+            task_default_queue=_name("parity-default"),
+            task_routes=(by_parity,),
+            result_backend=redis_server.url(ROUTED_DB),
+        )
 
-    @app.task(base=DedupTask, shared=False, unique_for=300, unique_until="expiry")
-    def sync(user_id: int) -> int:
-        runs.rpush("runs", user_id)
-        return user_id
+        @app.task(base=DedupTask, shared=False, unique_for=300, unique_until="expiry")
+        def sync(user_id: int) -> int:
+            runs.rpush("runs", user_id)
+            return user_id
 
-    try:
         even = [sync.delay(2), sync.delay(2)]
         odd = [sync.delay(3), sync.delay(3)]
         assert [r.deduplicated for r in even] == [None, None]
         assert [r.deduplicated for r in odd] == [False, True]
         assert sqs_server.queue_length(fifo) == 1 and sqs_server.queue_length(plain) == 1
-        with start_worker(
-            app,
-            pool="solo",
-            queues=[fifo, plain],
-            perform_ping_check=False,
-            shutdown_timeout=30,
-            loglevel="WARNING",
-        ):
+        with solo_worker(app, [fifo, plain]):
             assert even[0].get(timeout=30) == 2
             assert odd[0].get(timeout=30) == 3
             _wait(lambda: sqs_server.queue_length(fifo) + sqs_server.queue_length(plain) == 0)
         assert sorted(int(v) for v in runs.lrange("runs", 0, -1)) == [2, 3]
         assert [held.task_id for held in store.scan("")] == [odd[0].id]
-    finally:
-        runs.flushdb()
-        runs.close()

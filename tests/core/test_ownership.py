@@ -96,6 +96,44 @@ def forged_header(key: str, token: str | None, until: str = "start") -> dict[str
     return {"v": 1, "key": key, "until": until, "for": 60, "replace": False, "tok": token}
 
 
+def recording_job(app: Any, runs: Runs, **options: Any) -> Any:
+    """``job(x)``: a dedup task (``unique_for=60``) recording ``x`` and returning it."""
+
+    @app.task(base=DedupTask, shared=False, unique_for=60, **options)
+    def job(x: int) -> int:
+        runs.record(x)
+        return x
+
+    return job
+
+
+def blocking_job(app: Any, runs: Runs) -> tuple[Any, threading.Event, threading.Event]:
+    """``job(x)`` recording ``x``, then setting ``started`` and waiting for ``proceed``."""
+    started, proceed = threading.Event(), threading.Event()
+
+    @app.task(base=DedupTask, shared=False, unique_for=60)
+    def job(x: int) -> int:
+        runs.record(x)
+        started.set()
+        proceed.wait(10)
+        return x
+
+    return job, started, proceed
+
+
+def replacing_render(app: Any, runs: Runs) -> Any:
+    """``render(doc, version)``: replaces the held call of the same ``doc``, records ``version``."""
+
+    @app.task(
+        base=DedupTask, shared=False, unique_for=30, on_duplicate="replace", unique_on=("doc",)
+    )
+    def render(doc: int, version: str) -> str:
+        runs.record(version)
+        return version
+
+    return render
+
+
 # -- item 1: deterministic ids -------------------------------------------------
 
 
@@ -152,10 +190,7 @@ def test_result_get_then_identical_call_is_never_suppressed(
     """200 x (``result.get()`` returns, then the same call at once): every call publishes."""
     app = app_factory("own-get")
 
-    @app.task(base=DedupTask, shared=False, unique_for=60)
-    def job(x: int) -> int:
-        runs.record(x)
-        return x
+    job = recording_job(app, runs)
 
     worker_for(app, concurrency=2)
     suppressed = 0
@@ -230,14 +265,7 @@ def test_revoke_of_a_running_task_keeps_its_lock_until_it_ends(
 ) -> None:
     """``revoke()`` without terminate on a running task: RUNNING; duplicates stay suppressed."""
     app = app_factory("own-revoke-running")
-    started, proceed = threading.Event(), threading.Event()
-
-    @app.task(base=DedupTask, shared=False, unique_for=60)
-    def job(x: int) -> int:
-        runs.record(x)
-        started.set()
-        proceed.wait(10)
-        return x
+    job, started, proceed = blocking_job(app, runs)
 
     result = job.delay(1)
     worker_for(app)
@@ -309,10 +337,7 @@ def test_revoked_queued_message_never_runs_without_any_broadcast(
     """Revoked while no worker listens (broadcast lost): the first worker to get it skips it."""
     app = app_factory("own-revoke-queued")
 
-    @app.task(base=DedupTask, shared=False, unique_for=60)
-    def job(x: int) -> int:
-        runs.record(x)
-        return x
+    job = recording_job(app, runs)
 
     result = job.delay(1)
     assert celery_dedup.revoke(result) is RevokeOutcome.RELEASED
@@ -330,10 +355,7 @@ def test_deterministic_revoke_does_not_poison_later_runs(
     """Revoke one run of a deterministic id; the next runs of that key run (once each)."""
     app = app_factory("own-det-revoke")
 
-    @app.task(base=DedupTask, shared=False, unique_for=60, deterministic_id=True)
-    def job(x: int) -> int:
-        runs.record(x)
-        return x
+    job = recording_job(app, runs, deterministic_id=True)
 
     revoked = job.delay(1)
     assert celery_dedup.revoke(revoked) is RevokeOutcome.RELEASED
@@ -359,10 +381,7 @@ def test_deterministic_revoke_does_not_fail_the_later_runs_result(
     """
     app = app_factory("own-det-revoke-get")
 
-    @app.task(base=DedupTask, shared=False, unique_for=60, deterministic_id=True)
-    def job(x: int) -> int:
-        runs.record(x)
-        return x
+    job = recording_job(app, runs, deterministic_id=True)
 
     revoked = job.delay(1)
     assert celery_dedup.revoke(revoked) is RevokeOutcome.RELEASED
@@ -379,10 +398,7 @@ def test_old_runs_handle_cannot_touch_a_later_run(
     """``revoke``/``release`` of an ended run's result must leave the next run (same id) alone."""
     app = app_factory(f"own-old-handle-{operation}")
 
-    @app.task(base=DedupTask, shared=False, unique_for=60, deterministic_id=True)
-    def job(x: int) -> int:
-        runs.record(x)
-        return x
+    job = recording_job(app, runs, deterministic_id=True)
 
     worker_for(app)
     first = job.delay(1)
@@ -407,12 +423,7 @@ def test_replace_with_a_missed_broadcast_runs_only_the_replacement(
     """The replacing call runs and releases first; the replaced message then never runs."""
     app = app_factory("own-replace-missed")
 
-    @app.task(
-        base=DedupTask, shared=False, unique_for=30, on_duplicate="replace", unique_on=("doc",)
-    )
-    def render(doc: int, version: str) -> str:
-        runs.record(version)
-        return version
+    render = replacing_render(app, runs)
 
     old = render.apply_async((1, "v1"), countdown=1.5)
     new = render.delay(1, "v2")  # the revoke broadcast reaches no worker
@@ -445,12 +456,7 @@ def test_failed_replace_gives_the_key_back(
     """The replacing publish fails: the previous holder keeps the key and runs exactly once."""
     app = app_factory(f"own-replace-fail-{failure}")
 
-    @app.task(
-        base=DedupTask, shared=False, unique_for=30, on_duplicate="replace", unique_on=("doc",)
-    )
-    def render(doc: int, version: str) -> str:
-        runs.record(version)
-        return version
+    render = replacing_render(app, runs)
 
     old = render.delay(1, "v1")
     with app.connection_for_write() as connection:
@@ -480,12 +486,7 @@ def test_slowly_failing_replace_does_not_lose_the_previous_holder(
     """
     app = app_factory("own-replace-slow-fail")
 
-    @app.task(
-        base=DedupTask, shared=False, unique_for=30, on_duplicate="replace", unique_on=("doc",)
-    )
-    def render(doc: int, version: str) -> str:
-        runs.record(version)
-        return version
+    render = replacing_render(app, runs)
 
     worker_for(app)
     old = render.apply_async((1, "v1"), countdown=0.5)
@@ -512,14 +513,7 @@ def test_forged_header_cannot_release_or_skip_the_holder(
 ) -> None:
     """``send_task`` with the holder's id and a forged header: skipped, the holder's lock intact."""
     app = app_factory("own-forged")
-    started, proceed = threading.Event(), threading.Event()
-
-    @app.task(base=DedupTask, shared=False, unique_for=60)
-    def job(x: int) -> int:
-        runs.record(x)
-        started.set()
-        proceed.wait(10)
-        return x
+    job, started, proceed = blocking_job(app, runs)
 
     holder = job.delay(1)
     worker_for(app, concurrency=2)
@@ -556,14 +550,7 @@ def test_forged_message_cannot_take_a_guarded_holders_lock(
     redelivery, which must keep its lock: docs/guarantees.md states it.)
     """
     app = app_factory(f"own-forged-guard-{forgery}")
-    started, proceed = threading.Event(), threading.Event()
-
-    @app.task(base=DedupTask, shared=False, unique_for=60)
-    def job(x: int) -> int:
-        runs.record(x)
-        started.set()
-        proceed.wait(10)
-        return x
+    job, started, proceed = blocking_job(app, runs)
 
     worker_for(app, concurrency=2)
     holder = app.send_task(job.name, (1,))
@@ -589,10 +576,7 @@ def test_reaper_ignores_a_result_forged_under_the_holders_id(
     """Another message finishing under the holder's id must not let the reaper free the lock."""
     app = app_factory("own-forged-reap")
 
-    @app.task(base=DedupTask, shared=False, unique_for=60)
-    def job(x: int) -> int:
-        runs.record(x)
-        return x
+    job = recording_job(app, runs)
 
     @app.task(shared=False)
     def noop() -> None:
@@ -623,10 +607,7 @@ def test_eager_call_failing_before_the_body_releases(
     """An eager call that raises before its body ran leaves no lock."""
     app = app_factory("own-eager-fail", task_always_eager=True)
 
-    @app.task(base=DedupTask, shared=False, unique_for=60)
-    def job(x: int) -> int:
-        runs.record(x)
-        return x
+    job = recording_job(app, runs)
 
     key = dedup_key_for(job, deduplication_key="k")
     assert key is not None
@@ -641,10 +622,7 @@ def test_eager_group_and_chord_members_are_not_guarded(app_factory: AppFactory, 
     """An eager group of two identical calls runs both; an eager chord body gets both results."""
     app = app_factory("own-eager-canvas", task_always_eager=True)
 
-    @app.task(base=DedupTask, shared=False, unique_for=60)
-    def job(x: int) -> int:
-        runs.record(x)
-        return x
+    job = recording_job(app, runs)
 
     @app.task(base=DedupTask, shared=False, unique_for=60)
     def total(values: list[int]) -> int:
@@ -663,10 +641,7 @@ def test_apply_runs_while_a_copy_is_queued(
     """``task.apply()`` is local: it runs, and leaves the queued copy's lock alone."""
     app = app_factory("own-apply")
 
-    @app.task(base=DedupTask, shared=False, unique_for=60)
-    def job(x: int) -> int:
-        runs.record(x)
-        return x
+    job = recording_job(app, runs)
 
     queued = job.delay(5)
     before = lock_of(queued, app)
@@ -686,10 +661,7 @@ def test_send_task_while_held_is_skipped_visibly(
     """A header-less copy of a held call is skipped: state IGNORED, signal, lock untouched."""
     app = app_factory("own-send-task")
 
-    @app.task(base=DedupTask, shared=False, unique_for=60)
-    def job(x: int) -> int:
-        runs.record(x)
-        return x
+    job = recording_job(app, runs)
 
     holder = job.apply_async((1,), countdown=1.5)
     before = lock_of(holder, app)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,31 +92,3 @@ def producer_app(recorder: Recorder) -> Iterator[Callable[..., Celery]]:
         # Drop pending counters: a test may have left its store down.
         runtime_for(app).metrics.take()
         app.close()
-
-
-class DedupLog(logging.Handler):
-    """The ``celery_dedup`` logger's records of one test."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-    def warnings(self) -> list[str]:
-        """The warning messages, in order."""
-        return [r.getMessage() for r in self.records if r.levelno == logging.WARNING]
-
-
-@pytest.fixture
-def dedup_log() -> Iterator[DedupLog]:
-    """Collect what ``celery_dedup`` logs during the test (DEBUG and up)."""
-    handler = DedupLog()
-    logger = logging.getLogger("celery_dedup")
-    previous = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-    yield handler
-    logger.removeHandler(handler)
-    logger.setLevel(previous)

@@ -21,9 +21,10 @@ from kombu.exceptions import OperationalError
 
 from celery_dedup import DeduplicationUnavailable, dedup_key_for
 from celery_dedup.stores.redis import RedisStore
+from tests.fixtures.logs import DedupLog
 
 from .apps import work_task
-from .conftest import Backends, DedupLog
+from .conftest import Backends
 from .model import Kind
 from .probe import Producer, Recorder, poll, scan_once
 from .servers import FlakyRedis, flaky_redis
@@ -79,6 +80,14 @@ def wait_released(url: str, key: str | None) -> None:
     poll(released, 10, what="lock released")
 
 
+def on_flaky_broker(
+    broker: FlakyRedis, backends: Backends, recorder: Recorder, producer_app: AppFactory
+) -> tuple[dict[str, Any], Any, Producer]:
+    """The app settings on ``broker`` (failing fast), the suite's task there, and a producer."""
+    conf = backends.conf(broker_url=broker.url(), **FAST_BROKER)
+    return conf, work_task(producer_app(conf)), Producer(recorder)
+
+
 # -- the broker -------------------------------------------------------------
 
 
@@ -86,9 +95,7 @@ def wait_released(url: str, key: str | None) -> None:
 def test_broker_on_a_closed_port_rolls_back_then_recovers(
     broker: FlakyRedis, backends: Backends, recorder: Recorder, producer_app: AppFactory
 ) -> None:
-    conf = backends.conf(broker_url=broker.url(), **FAST_BROKER)
-    task = work_task(producer_app(conf))
-    producer = Producer(recorder)
+    _, task, producer = on_flaky_broker(broker, backends, recorder, producer_app)
     key = dedup_key_for(task, (1, {}))
     assert key is not None
     with pytest.raises(OperationalError):
@@ -106,9 +113,7 @@ def test_broker_on_a_closed_port_rolls_back_then_recovers(
 def test_broker_killed_after_use_rolls_back_then_recovers(
     broker: FlakyRedis, backends: Backends, recorder: Recorder, producer_app: AppFactory
 ) -> None:
-    conf = backends.conf(broker_url=broker.url(), **FAST_BROKER)
-    task = work_task(producer_app(conf))
-    producer = Producer(recorder)
+    _, task, producer = on_flaky_broker(broker, backends, recorder, producer_app)
     broker.start()
     assert producer.call(task, (1, {})).deduplicated is False
     broker.kill()
@@ -137,9 +142,7 @@ def test_broker_paused_during_a_publish(
     retries) once it resumes: those copies carry the rolled-back owner token,
     so their start claim finds the next call's lock and skips them.
     """
-    conf = backends.conf(broker_url=broker.url(), **FAST_BROKER)
-    task = work_task(producer_app(conf))
-    producer = Producer(recorder)
+    conf, task, producer = on_flaky_broker(broker, backends, recorder, producer_app)
     broker.start()
     assert producer.call(task, (1, {})).deduplicated is False
     broker.pause()
@@ -177,9 +180,7 @@ def test_a_publish_that_timed_out_runs_at_most_once(
     it). Celery's publish retries could send copies sharing one owner token;
     however many arrive, the body must not run more than once.
     """
-    conf = backends.conf(broker_url=broker.url(), **FAST_BROKER)
-    task = work_task(producer_app(conf))
-    producer = Producer(recorder)
+    conf, task, producer = on_flaky_broker(broker, backends, recorder, producer_app)
     broker.start()
     assert producer.call(task, (1, {})).deduplicated is False
     broker.pause()

@@ -37,9 +37,8 @@ from celery_dedup.stores.base import Lock, LockStore
 from celery_dedup.stores.memory import MemoryStore
 from celery_dedup.stores.redis import RedisStore
 from tests.fixtures._store_case import StoreCase
+from tests.fixtures.logs import DedupLog
 from tests.fixtures.redis import RedisServer
-
-from .conftest import DedupLog
 
 #: the database of the session Redis the store tests below use
 STATE_DB = 43
