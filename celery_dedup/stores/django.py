@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from django.db import connections
 from django.db.backends.signals import connection_created
-from django.db.utils import DatabaseError, InterfaceError, OperationalError
+from django.db.utils import DatabaseError, InterfaceError, OperationalError, ProgrammingError
 
 from ..contrib.django.managers import is_contention
 from ..exceptions import ImproperlyConfigured, StoreContention, StoreUnavailable
@@ -61,6 +61,23 @@ logger = logging.getLogger("celery_dedup")
 
 #: The driver errors that mean "the database cannot be reached".
 UNREACHABLE: tuple[type[BaseException], ...] = (OperationalError, InterfaceError)
+
+E_REFUSED = (
+    "lock store {store}: the database refused its SQL ({error}); have the "
+    "celery_dedup migrations run (manage.py migrate celery_dedup) and does the "
+    "database user have the rights to use its tables?"
+)
+
+
+def _refused(exc: DatabaseError) -> bool:
+    """A statement the database refuses: missing tables or rights, not an outage."""
+    if isinstance(exc, ProgrammingError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, OperationalError) and (
+        "no such table" in text or "doesn't exist" in text
+    )
+
 
 #: Attempts of one operation under contention, and the backoff cap (seconds).
 CONTENTION_ATTEMPTS = 40
@@ -170,6 +187,10 @@ class DjangoStore:
                     try:
                         return operation(queries)
                     except DatabaseError as exc:
+                        if _refused(exc):
+                            raise ImproperlyConfigured(E_REFUSED.format(
+                                store=self.label, error=f"{type(exc).__name__}: {exc}"
+                            )) from exc
                         if not is_contention(exc):
                             raise
                         reason = type(exc).__name__
