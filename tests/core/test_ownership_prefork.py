@@ -9,6 +9,7 @@ lock state.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -32,7 +33,7 @@ from tests.fixtures.redis import RedisServer
 from .conftest import wait_until
 from .test_ownership import state_of, texts
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(150)
 
 ROOT = Path(__file__).resolve().parents[2]
 QUEUE = "own-prefork"
@@ -207,16 +208,17 @@ class Worker:
                 start_new_session=True,
             )
         if wait:
-            wait_until(lambda: b" ready." in self.log.read_bytes()[offset:], timeout=20)
+            wait_until(lambda: b" ready." in self.log.read_bytes()[offset:], timeout=45)
 
     def stop(self) -> None:
         """Warm shutdown (SIGTERM to the main process): unacked messages go back to the queue."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            finally:
-                stop(self.proc)
+            # A loaded machine can take long to tear a pool down; past the
+            # wait, stop() kills it (nothing a test asserts depends on it).
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(45)
+            stop(self.proc)
         self.proc = None
 
     def text(self) -> str:
