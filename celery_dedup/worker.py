@@ -476,18 +476,23 @@ def release_from_main_process(
     A guard lock (``send_task``) is released too: the run it throttled was killed.
     """
     request = _received_request(task_id)
-    header = None if request is None else read_header(request.request_dict)
-    if header is None and request is not None:
-        header = guard_header_of(task, request)
+    if request is None:
+        return
+    header = read_header(request.request_dict) or guard_header_of(task, request)
     store = task.dedup_config().runtime.store
     if header is None or header.key is None or store is None:
         return
-    if outcome.releases(header.until) or _is_guard(header):
+    if _killed_run_releases(header, outcome):
         release(task, store, header.key, header.owner(task_id), task_id, outcome.value)
 
 
-def _is_guard(header: LockHeader) -> bool:
-    return (header.token or "").startswith(GUARD_PREFIX)
+def _killed_run_releases(header: LockHeader, outcome: Outcome) -> bool:
+    """Whether a run that ended in the main process's view releases its lock.
+
+    Per policy; a guard lock (``send_task``) always: the run it throttled
+    was killed or revoked.
+    """
+    return outcome.releases(header.until) or (header.token or "").startswith(GUARD_PREFIX)
 
 
 @task_received.connect(weak=False)
@@ -526,7 +531,7 @@ def _release_revoked(
         from celery.worker import state as worker_state
 
         worker_state.revoked.discard(request.id)
-    if not (header.until.releases_on_revoke() or _is_guard(header)):
+    if not _killed_run_releases(header, Outcome.REVOKED):
         return
     store = sender.dedup_config().runtime.store
     if store is not None:
