@@ -72,8 +72,11 @@ NO_LOCK: Final = LockHeader()
 
 
 def new_token() -> str:
-    """A fresh owner token: 128 random bits, never derived from anything a caller sees."""
-    return secrets.token_hex(16)
+    """A fresh owner token: 128 random bits in 22 URL-safe characters.
+
+    Never derived from anything a caller sees.
+    """
+    return secrets.token_urlsafe(16)
 
 
 def read_header(headers: Mapping[str, Any] | None) -> LockHeader | None:

@@ -117,6 +117,12 @@ def _canonical_mapping(value: Mapping[Any, Any], path: str) -> Any:
     return {"$map": [list(pair) for pair in pairs]}
 
 
+#: one encoder for every identity (``json.dumps`` with options builds one per call)
+_CANONICAL_ENCODER: Final = json.JSONEncoder(
+    sort_keys=True, separators=(",", ":"), ensure_ascii=False
+)
+
+
 def canonical_json(value: Any, argument: str = "value") -> str:
     """Canonical JSON of ``value``: sorted keys, no whitespace, typed special values.
 
@@ -134,8 +140,13 @@ def canonical_json(value: Any, argument: str = "value") -> str:
 
 
 def digest(material: str) -> str:
-    """sha256 hex digest of ``material`` (lone surrogates kept, as JSON keeps them)."""
-    return hashlib.sha256(material.encode("utf-8", "surrogatepass")).hexdigest()
+    """The first 128 bits of the sha256 of ``material``, 32 hex characters.
+
+    Lone surrogates are kept, as JSON keeps them. 128 bits keep collisions
+    out of reach (2**64 distinct identities of one task before one is
+    likely) and the key short enough for a compact store record.
+    """
+    return hashlib.sha256(material.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
 _EMPTY: Final = inspect.Parameter.empty
@@ -156,6 +167,12 @@ def as_delivered(
     """
     if serializer in _IDENTITY_SERIALIZERS:
         return args or (), kwargs or {}
+    if serializer == "json":
+        args, kwargs = args or (), kwargs or {}
+        if _plain_scalars(args) and _plain_scalars(kwargs.values()) and all(
+            type(name) is str for name in kwargs
+        ):
+            return args, kwargs
     if serializer == "json" and _json_stable(args or ()) and _json_stable(kwargs or {}):
         # Plain JSON data comes back unchanged: skip the encode/decode round trip.
         return list(args or ()), dict(kwargs or {})
@@ -167,6 +184,18 @@ def as_delivered(
 
 
 _SCALARS: Final = frozenset({str, int, float, bool, type(None)})
+
+
+def _plain_scalars(values: Iterable[Any]) -> bool:
+    """Whether every value is a JSON scalar that is its own canonical form.
+
+    The common case (ids, names, flags): no round trip, no canonicalisation.
+    """
+    for value in values:
+        kind = type(value)
+        if kind not in _SCALARS or (kind is float and not math.isfinite(value)):
+            return False
+    return True
 
 
 def _json_stable(value: Any, depth: int = 0) -> bool:
@@ -304,6 +333,9 @@ class ArgumentBinder:
     ) -> str:
         """Canonical JSON of ``(task name, queue, bound arguments)``."""
         arguments = self.bind(args, kwargs)
+        if _plain_scalars(arguments.values()) and not any(n.startswith("$") for n in arguments):
+            # Scalars are their own canonical form: the same JSON, without the walk.
+            return _CANONICAL_ENCODER.encode(["strict", self.task_name, queue, arguments])
         try:
             canonical_args = {
                 _escape_key(name): _canonical(value, name) for name, value in arguments.items()
@@ -322,12 +354,7 @@ class ArgumentBinder:
                 argument=name,
                 task_name=self.task_name,
             ) from None
-        return json.dumps(
-            ["strict", self.task_name, queue, canonical_args],
-            sort_keys=True,
-            separators=(",", ":"),
-            ensure_ascii=False,
-        )
+        return _CANONICAL_ENCODER.encode(["strict", self.task_name, queue, canonical_args])
 
 
 def _too_deep(value: Any, name: str) -> bool:

@@ -54,7 +54,7 @@ def uses_native(mode: Native, scheme: str, queue: str) -> bool:
 
 
 def native_property(key: str) -> str:
-    """The ``MessageDeduplicationId`` of a key: its sha256 digest (64 of SQS's 128 chars)."""
+    """The ``MessageDeduplicationId`` of a key: its digest (32 of SQS's 128 characters)."""
     return key.rsplit(":", 1)[-1]
 
 

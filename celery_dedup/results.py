@@ -36,6 +36,10 @@ class DeduplicatedResult(_AsyncResult):
         duplicate_id: str | None = None,
         **kwargs: Any,
     ) -> None:
+        # AsyncResult.__init__ builds its ``on_ready`` promise up front; most
+        # duplicate handles are never waited on, so it is built on first use.
+        kwargs.pop("task_name", None)  # deprecated in AsyncResult, ignored
+        self._lazy_on_ready = True
         super().__init__(id, **kwargs)
         #: the hashed store key the call maps to
         self.deduplication_key = deduplication_key
@@ -43,6 +47,23 @@ class DeduplicatedResult(_AsyncResult):
         self.lock = lock
         #: the id this call would have had (it was never published)
         self.duplicate_id = duplicate_id
+
+    @property
+    def on_ready(self) -> Any:
+        """The promise fulfilled when the holder's result is ready (built on first use)."""
+        promise = self.__dict__.get("_on_ready_promise")
+        if promise is None:
+            from vine import promise as make_promise
+
+            fulfilled = self._on_fulfilled  # type: ignore[attr-defined]  # untyped in celery
+            promise = self.__dict__["_on_ready_promise"] = make_promise(fulfilled, weak=True)
+        return promise
+
+    @on_ready.setter
+    def on_ready(self, value: Any) -> None:
+        if self.__dict__.pop("_lazy_on_ready", False):
+            return  # AsyncResult.__init__'s eager promise: built lazily instead
+        self.__dict__["_on_ready_promise"] = value
 
     def __repr__(self) -> str:
         return f"<DeduplicatedResult: {self.id} (duplicate)>"

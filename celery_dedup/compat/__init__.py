@@ -47,7 +47,7 @@ E_NO_STORE = (
 )
 
 #: Lock-key digests: the last segment of every key celery-dedup writes.
-_DIGEST = re.compile(r"[0-9a-f]{64}")
+_DIGEST = re.compile(r"[0-9a-f]{32}(?:[0-9a-f]{32})?")
 
 
 def adopt_setting(app: Celery, name: str, value: Any) -> bool:

@@ -31,6 +31,7 @@ __all__ = [
     "LockStore",
     "RevokeOutcome",
     "revoked_marker_key",
+    "unavailable",
     "unavailable_on",
 ]
 
@@ -109,6 +110,14 @@ class Lock:
     def ttl(self) -> float:
         """Seconds left before the lock expires (never negative)."""
         return max(0.0, self.expires_at - time.time())
+
+    def without_owner(self) -> Lock:
+        """This lock with its owner token blanked: what a duplicate caller may see."""
+        # dataclasses.replace re-runs the frozen __init__ field by field: a
+        # copy of the instance dict is several times cheaper on this hot path.
+        copy = object.__new__(Lock)
+        copy.__dict__.update(self.__dict__, owner="")
+        return copy
 
 
 @runtime_checkable
@@ -218,7 +227,11 @@ def unavailable_on(
     except StoreUnavailable:
         raise  # already translated (and an OSError itself): never wrap twice
     except errors as exc:
-        where = describe() if describe is not None else store
-        raise StoreUnavailable(
-            f"lock store {where} is unavailable: {type(exc).__name__}: {exc}", store=store
-        ) from exc
+        raise unavailable(exc, store, describe() if describe is not None else store) from exc
+
+
+def unavailable(exc: BaseException, store: str, where: str) -> StoreUnavailable:
+    """The ``StoreUnavailable`` that stands for the driver error ``exc``."""
+    return StoreUnavailable(
+        f"lock store {where} is unavailable: {type(exc).__name__}: {exc}", store=store
+    )

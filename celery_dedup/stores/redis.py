@@ -1,14 +1,16 @@
 """Redis lock store: one Lua script per atomic operation, one round trip each.
 
-A lock is a hash ``{owner, id, task, policy, at, st}`` with a millisecond
-TTL; a revoked marker is a plain key in the lock's hash slot. Keys reach the
+A lock is one compact string with a millisecond TTL (the record, below); a
+revoked marker is a plain key in the lock's hash slot. Keys reach the
 scripts only through ``KEYS`` (a script touches one lock and, at most, its
 marker in the same slot, so every script is cluster-safe) and TTLs as
-integer milliseconds in ``ARGV``.
+integer milliseconds in ``ARGV``. Every script also honours a lock written
+by an earlier version as a hash ``{owner, task, policy, at, id?, st?}``.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -20,142 +22,195 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import InvalidResponse
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .base import Claim, ClaimOutcome, Lock, LockMeta, RevokeOutcome, unavailable_on
+from ..exceptions import StoreUnavailable
+from ..policy import UniqueUntil
+from .base import (
+    Claim,
+    ClaimOutcome,
+    Lock,
+    LockMeta,
+    RevokeOutcome,
+    unavailable,
+    unavailable_on,
+)
+from .redis_wire import ScriptWire
 
 if TYPE_CHECKING:
     from celery import Celery
 
 __all__ = ["RedisStore"]
 
-# The hash of a lock: owner (token), id (holder task id), task, policy, at
-# (acquired, epoch ms) and st ("1" once the holder's message started).
-# A holder is returned as {owner, task, policy, at, pttl, id, st}; fields a
-# record lacks come back as false (0.1.0 records have no id and no st).
+# The record. A lock is the string
+#
+#     <started 0|1><policy code><owner>|<acquired at>|[<extra fields>|]<task id>
+#
+# with "acquired at" in epoch milliseconds, base 36. The scripts only ever
+# read the first byte (started: SETRANGE flips it and keeps the TTL) and the
+# owner, from the third byte to the first "|"; the rest is read back in
+# Python (``_unpack``). The policy code is a letter (``_CODES``): lowercase
+# when the task name is the middle segment of the key (``_task_of``: the
+# ``<prefix>:<task name>:<digest>`` keys celery-dedup makes) and so is not
+# stored; uppercase when the task name is the one extra field. A policy
+# without a letter is "*" with the policy and the task name as two extra
+# fields. The task id comes last because it may hold any character; owner,
+# task name and policy have "%" and "|" percent-encoded (``_enc``: tokens,
+# guard tokens and uuids are left as they are), so "|" always ends a field.
+# A 22-character token, a uuid task id and a 30-character task name make a
+# 70-byte value: with the 76-character key, 200 bytes of server memory.
+#
+# A lock written by an earlier version is a hash {owner, task, policy, at,
+# id?, st?}. ``read`` turns it into the head of a record ("<st>-<owner>|")
+# for the owner check and keeps its fields to report it as a holder.
+#
+# A holder is returned as {pttl, record}, or {pttl, owner, task, policy, at,
+# id, st} for a hash (fields it lacks come back as nil).
+_PRELUDE = """
+local function read(k)
+    local v = redis.pcall('get', k)
+    if type(v) ~= 'table' then
+        return v, nil
+    end
+    local h = redis.call('hmget', k, 'owner', 'task', 'policy', 'at', 'id', 'st')
+    if not h[1] then
+        return false, nil
+    end
+    local o = string.gsub(string.gsub(h[1], '%%', '%%25'), '|', '%%7C')
+    return (h[6] and '1' or '0') .. '-' .. o .. '|', h
+end
+local function owns(v, o)
+    return string.sub(v, 3, 2 + #o) == o and string.byte(v, 3 + #o) == 124
+end
+local function holder(k, v, h)
+    local pttl = redis.call('pttl', k)
+    if h then
+        return {pttl, h[1], h[2], h[3], h[4], h[5], h[6]}
+    end
+    return {pttl, v}
+end
+"""
 
 # KEYS[1] - lock key
-# ARGV[1] - owner token
+# ARGV[1] - the record
 # ARGV[2] - ttl in milliseconds
-# ARGV[3] - task name
-# ARGV[4] - unlock policy
-# ARGV[5] - acquired at, epoch milliseconds
-# ARGV[6] - holder task id
-# ARGV[7] - "1" to create the lock already started
 # return nil when acquired, else the holder
-ACQUIRE = """
-local h = redis.call('hmget', KEYS[1], 'owner', 'task', 'policy', 'at', 'id', 'st')
-if h[1] then
-    return {h[1], h[2], h[3], h[4], redis.call('pttl', KEYS[1]), h[5], h[6]}
+ACQUIRE = _PRELUDE + """
+local v, h = read(KEYS[1])
+if v then
+    return holder(KEYS[1], v, h)
 end
-redis.call('hset', KEYS[1], 'owner', ARGV[1], 'task', ARGV[3], 'policy', ARGV[4],
-           'at', ARGV[5], 'id', ARGV[6])
-if ARGV[7] == '1' then
-    redis.call('hset', KEYS[1], 'st', '1')
-end
-redis.call('pexpire', KEYS[1], ARGV[2])
+redis.call('set', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return false
 """
 
 # KEYS[1] - lock key
-# ARGV[1] - owner token
+# ARGV[1] - owner token (encoded)
 # return 1 if the owner held the lock and it was deleted, else 0
-RELEASE = """
-if redis.call('hget', KEYS[1], 'owner') == ARGV[1] then
+RELEASE = _PRELUDE + """
+local v = read(KEYS[1])
+if v and owns(v, ARGV[1]) then
     return redis.call('del', KEYS[1])
 end
 return 0
 """
 
 # KEYS[1] - lock key
-# ARGV[1] - owner token
+# ARGV[1] - owner token (encoded)
 # ARGV[2] - new ttl in milliseconds
 # return 1 if the owner holds the lock and its ttl was set, else 0
-EXTEND = """
-if redis.call('hget', KEYS[1], 'owner') == ARGV[1] then
+EXTEND = _PRELUDE + """
+local v = read(KEYS[1])
+if v and owns(v, ARGV[1]) then
     return redis.call('pexpire', KEYS[1], ARGV[2])
 end
 return 0
 """
 
 # KEYS[1] - lock key
-# ARGV[1] - owner token
+# ARGV[1] - owner token (encoded)
 # ARGV[2] - new ttl in milliseconds, or "" to keep the ttl
 # return 1 if the owner holds the lock (now not started), else 0
-SETTLE = """
-if redis.call('hget', KEYS[1], 'owner') == ARGV[1] then
-    redis.call('hdel', KEYS[1], 'st')
-    if ARGV[2] ~= '' then
-        redis.call('pexpire', KEYS[1], ARGV[2])
-    end
-    return 1
+SETTLE = _PRELUDE + """
+local v, h = read(KEYS[1])
+if not (v and owns(v, ARGV[1])) then
+    return 0
 end
-return 0
+if string.byte(v, 1) == 49 then
+    if h then
+        redis.call('hdel', KEYS[1], 'st')
+    else
+        redis.call('setrange', KEYS[1], 0, '0')
+    end
+end
+if ARGV[2] ~= '' then
+    redis.call('pexpire', KEYS[1], ARGV[2])
+end
+return 1
 """
 
 # KEYS[1] - lock key
-# ARGV[1..6] - as ACQUIRE
+# ARGV[1..2] - as ACQUIRE
 # return nil when the key was free, else the previous holder
-TAKE_OVER = """
-local h = redis.call('hmget', KEYS[1], 'owner', 'task', 'policy', 'at', 'id', 'st')
-local pttl = redis.call('pttl', KEYS[1])
-redis.call('del', KEYS[1])
-redis.call('hset', KEYS[1], 'owner', ARGV[1], 'task', ARGV[3], 'policy', ARGV[4],
-           'at', ARGV[5], 'id', ARGV[6])
-redis.call('pexpire', KEYS[1], ARGV[2])
-if h[1] then
-    return {h[1], h[2], h[3], h[4], pttl, h[5], h[6]}
+TAKE_OVER = _PRELUDE + """
+local v, h = read(KEYS[1])
+local previous = false
+if v then
+    previous = holder(KEYS[1], v, h)
 end
-return false
+redis.call('set', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return previous
 """
 
 # KEYS[1] - lock key
 # KEYS[2] - revoked marker of the owner on this key (same hash slot)
-# ARGV[1] - owner token
+# ARGV[1] - owner token (encoded)
 # ARGV[2] - "1" to release the owner's lock
 # ARGV[3] - ttl in milliseconds to take a free key with, or "" not to take it
-# ARGV[4..7] - task name, unlock policy, acquired at (epoch ms), holder task id
+# ARGV[4] - the record to take it with (started)
 # return {"revoked"}, {"owned"}, {"free"} or {"held", <holder>}
-CLAIM = """
-local owner = redis.call('hget', KEYS[1], 'owner')
+CLAIM = _PRELUDE + """
+local v, h = read(KEYS[1])
+local mine = v and owns(v, ARGV[1])
 if redis.call('exists', KEYS[2]) == 1 then
-    if owner == ARGV[1] then
+    if mine then
         redis.call('del', KEYS[1])
     end
     return {'revoked'}
 end
-if owner == ARGV[1] then
+if mine then
     if ARGV[2] == '1' then
         redis.call('del', KEYS[1])
-    else
+    elseif h then
         redis.call('hset', KEYS[1], 'st', '1')
+    elseif string.byte(v, 1) ~= 49 then
+        redis.call('setrange', KEYS[1], 0, '1')
     end
     return {'owned'}
 end
-if owner then
-    local h = redis.call('hmget', KEYS[1], 'owner', 'task', 'policy', 'at', 'id', 'st')
-    return {'held', h[1], h[2], h[3], h[4], redis.call('pttl', KEYS[1]), h[5], h[6]}
+if v then
+    local held = holder(KEYS[1], v, h)
+    table.insert(held, 1, 'held')
+    return held
 end
 if ARGV[3] ~= '' and ARGV[2] ~= '1' then
-    redis.call('hset', KEYS[1], 'owner', ARGV[1], 'task', ARGV[4], 'policy', ARGV[5],
-               'at', ARGV[6], 'id', ARGV[7], 'st', '1')
-    redis.call('pexpire', KEYS[1], ARGV[3])
+    redis.call('set', KEYS[1], ARGV[4], 'PX', ARGV[3])
 end
 return {'free'}
 """
 
 # KEYS[1] - lock key
 # KEYS[2] - revoked marker of the owner on this key (same hash slot)
-# ARGV[1] - owner token
+# ARGV[1] - owner token (encoded)
 # ARGV[2] - marker ttl in milliseconds (an existing longer marker is kept)
 # return 1 released, 2 running (kept), 0 not held
-REVOKE = """
+REVOKE = _PRELUDE + """
 if redis.call('pttl', KEYS[2]) < tonumber(ARGV[2]) then
     redis.call('set', KEYS[2], '1', 'PX', ARGV[2])
 end
-local h = redis.call('hmget', KEYS[1], 'owner', 'st')
-if h[1] ~= ARGV[1] then
+local v = read(KEYS[1])
+if not (v and owns(v, ARGV[1])) then
     return 0
 end
-if h[2] then
+if string.byte(v, 1) == 49 then
     return 2
 end
 redis.call('del', KEYS[1])
@@ -164,16 +219,31 @@ return 1
 
 # KEYS[1] - lock key
 # return nil when free, else the holder
-GET = """
-local h = redis.call('hmget', KEYS[1], 'owner', 'task', 'policy', 'at', 'id', 'st')
-if h[1] then
-    return {h[1], h[2], h[3], h[4], redis.call('pttl', KEYS[1]), h[5], h[6]}
+GET = _PRELUDE + """
+local v, h = read(KEYS[1])
+if v then
+    return holder(KEYS[1], v, h)
 end
 return false
 """
 
-_HOLDER_FIELDS = ("owner", "task", "policy", "at", "id", "st")
 _REVOKE_OUTCOMES = {0: RevokeOutcome.NOT_HELD, 1: RevokeOutcome.RELEASED, 2: RevokeOutcome.RUNNING}
+
+#: policy -> its one-letter code in a record (lowercase: task name not stored)
+_CODES: dict[str, str] = {
+    UniqueUntil.START.value: "b",
+    UniqueUntil.SUCCESS.value: "s",
+    UniqueUntil.FINISH.value: "f",
+    UniqueUntil.EXPIRY.value: "e",
+}
+_POLICIES: dict[str, str] = {code: policy for policy, code in _CODES.items()}
+_NAMED: dict[str, str] = {code: code.upper() for code in _CODES.values()}
+_POLICIES.update({upper: _POLICIES[code] for code, upper in _NAMED.items()})
+_DERIVED = frozenset(_CODES.values())
+_CUSTOM = "*"
+
+_DIGITS = "0123456789abcdefghijklmnopqrstuvwxyz"
+_PAIRS = [a + b for a in _DIGITS for b in _DIGITS]
 
 #: The driver errors that mean "the server cannot be reached" (or is not a
 #: Redis server: an answer outside the protocol is one of them).
@@ -191,6 +261,89 @@ def _text(value: Any) -> str:
 
 def _ms(seconds: float) -> int:
     return max(1, int(seconds * 1000))
+
+
+def _enc(text: str) -> str:
+    """``text`` with "%" and "|" percent-encoded (so "|" can end a field)."""
+    if "%" in text or "|" in text:
+        return text.replace("%", "%25").replace("|", "%7C")
+    return text
+
+
+def _dec(text: str) -> str:
+    """The inverse of ``_enc``."""
+    if "%" in text:
+        return text.replace("%7C", "|").replace("%25", "%")
+    return text
+
+
+@functools.lru_cache(maxsize=4)
+def _base36_high(n: int) -> str:
+    out = ""
+    while n:
+        n, digit = divmod(n, 36)
+        out = _DIGITS[digit] + out
+    return out
+
+
+def _base36(n: int) -> str:
+    """``n`` >= 0 in base 36 (the high digits change every 28 minutes: cached)."""
+    high, low = divmod(n, 36**4)
+    a, b = divmod(low, 36**2)
+    return _base36_high(high) + _PAIRS[a] + _PAIRS[b]
+
+
+def _task_of(key: str) -> str | None:
+    """The task name a key of the shape ``<prefix>:<task name>:<digest>`` names."""
+    _, sep, rest = key.partition(":")
+    name, sep, _ = rest.rpartition(":")
+    return name if sep else None
+
+
+def _pack(key: str, owner: str, meta: LockMeta, started: bool) -> str:
+    """The record of a new lock on ``key`` (``owner`` already encoded)."""
+    name = meta.get("task_name", "")
+    policy = meta.get("policy", "")
+    at = _base36(int(time.time() * 1000))
+    code = _CODES.get(policy)
+    if code is None:
+        head = f"{_CUSTOM}{owner}|{at}|{_enc(policy)}|{_enc(name)}|"
+    elif name == _task_of(key):
+        head = f"{code}{owner}|{at}|"
+    else:
+        head = f"{_NAMED[code]}{owner}|{at}|{_enc(name)}|"
+    return ("1" if started else "0") + head + meta.get("task_id", "")
+
+
+def _unpack(key: str, record: str) -> tuple[str, str, str, int, str, bool] | None:
+    """``(owner, task name, policy, acquired at ms, task id, started)``, or None if not a lock."""
+    end = record.find("|", 2)
+    stop = record.find("|", end + 1) if end > 0 else -1
+    if stop < 0 or record[0] not in "01":
+        return None
+    try:
+        at = int(record[end + 1 : stop], 36)
+    except ValueError:
+        return None
+    code, rest = record[1], record[stop + 1 :]
+    if code == _CUSTOM:
+        policy, sep, rest = rest.partition("|")
+        name, sep2, rest = rest.partition("|")
+        if not (sep and sep2):
+            return None
+        policy, name = _dec(policy), _dec(name)
+    elif code in _POLICIES:
+        policy = _POLICIES[code]
+        if code in _DERIVED:
+            name = _task_of(key) or ""
+        else:
+            name, sep, rest = rest.partition("|")
+            if not sep:
+                return None
+            name = _dec(name)
+    else:
+        return None
+    return _dec(record[2:end]), name, policy, at, rest, record[0] == "1"
 
 
 class RedisStore:
@@ -216,6 +369,9 @@ class RedisStore:
         self._settle: Script = client.register_script(SETTLE)
         self._revoke: Script = client.register_script(REVOKE)
         self._get: Script = client.register_script(GET)
+        #: per-thread connections the scripts run on (None: through the
+        #: client's own command path, e.g. a cluster client routing by slot)
+        self._wire = ScriptWire(client) if isinstance(client, redis.Redis) else None
 
     @classmethod
     def from_url(
@@ -248,7 +404,20 @@ class RedisStore:
 
     def close(self) -> None:
         """Close the client's connections."""
+        if self._wire is not None:
+            self._wire.close()
         self.client.close()
+
+    def _run(self, script: Script, keys: list[str], args: list[Any]) -> Any:
+        """Run one of this store's scripts: one EVALSHA, unreachable errors translated."""
+        try:
+            if self._wire is not None:
+                return self._wire.evalsha(script.sha, script.script, keys, args)
+            return script(keys=keys, args=args)
+        except StoreUnavailable:
+            raise
+        except self.unreachable as exc:
+            raise unavailable(exc, self.name, self.label) from exc
 
     def _k(self, key: str) -> str:
         return self.keyprefix + key
@@ -261,81 +430,68 @@ class RedisStore:
         return (physical if tagged else "{" + physical + "}") + ":revoked:" + owner
 
     def _lock(self, key: str, raw: Sequence[Any] | None) -> Lock | None:
+        """The holder a script returned, or None when the key was free.
+
+        A string that is not a record (nothing this library writes) is
+        reported as held by nobody known: never as free.
+        """
         if not raw:
             return None
-        owner, task, policy, at, pttl, *rest = raw
-        task_id, started = [*rest, None, None][:2]
-        now = time.time()
-        return Lock(
-            key=key,
-            owner=_text(owner),
-            task_name=_text(task or b""),
-            acquired_at=int(at or 0) / 1000.0,
-            expires_at=now + max(0, int(pttl)) / 1000.0,
-            policy=_text(policy or b""),
-            task_id=_text(task_id) if task_id else _text(owner),
-            started=bool(started),
-        )
-
-    @staticmethod
-    def _meta_argv(meta: LockMeta) -> list[Any]:
-        return [
-            meta.get("task_name", ""),
-            meta.get("policy", ""),
-            int(time.time() * 1000),
-            meta.get("task_id", ""),
-        ]
-
-    def _argv(self, owner: str, ttl: float, meta: LockMeta) -> list[Any]:
-        return [owner, _ms(ttl), *self._meta_argv(meta), meta.get("started", "")]
+        lock = _decode(key, raw)
+        if lock is None:
+            expires_at = time.time() + max(0, int(raw[0])) / 1000.0
+            return Lock(
+                key=key, owner="", task_name="", acquired_at=0.0, expires_at=expires_at, policy=""
+            )
+        return lock
 
     def acquire(self, key: str, owner: str, ttl: float, meta: LockMeta) -> Lock | None:
         """Take the lock, or return the holder (one EVALSHA)."""
-        with self._boundary():
-            raw = self._acquire(keys=[self._k(key)], args=self._argv(owner, ttl, meta))
+        record = _pack(key, _enc(owner), meta, meta.get("started") == "1")
+        raw = self._run(self._acquire, [self._k(key)], [record, _ms(ttl)])
         return self._lock(key, raw)
 
     def release(self, key: str, owner: str) -> bool:
         """Compare-and-delete on the owner (one EVALSHA)."""
-        with self._boundary():
-            return bool(self._release(keys=[self._k(key)], args=[owner]))
+        return bool(self._run(self._release, [self._k(key)], [_enc(owner)]))
 
     def extend(self, key: str, owner: str, ttl: float) -> bool:
         """Compare-and-pexpire on the owner (one EVALSHA)."""
-        with self._boundary():
-            return bool(self._extend(keys=[self._k(key)], args=[owner, _ms(ttl)]))
+        return bool(self._run(self._extend, [self._k(key)], [_enc(owner), _ms(ttl)]))
 
     def take_over(self, key: str, owner: str, ttl: float, meta: LockMeta) -> Lock | None:
         """Make ``owner`` the holder; return the previous one (one EVALSHA)."""
-        with self._boundary():
-            raw = self._take_over(keys=[self._k(key)], args=self._argv(owner, ttl, meta))
+        record = _pack(key, _enc(owner), meta, False)
+        raw = self._run(self._take_over, [self._k(key)], [record, _ms(ttl)])
         return self._lock(key, raw)
 
     def claim(
         self, key: str, owner: str, *, release: bool, ttl: float | None, meta: LockMeta
     ) -> Claim:
         """The worker's start check (one EVALSHA over the lock and its marker)."""
-        args = [owner, "1" if release else "", "" if ttl is None else _ms(ttl)]
-        with self._boundary():
-            raw = self._claim(
-                keys=[self._k(key), self._marker(key, owner)],
-                args=[*args, *self._meta_argv(meta)],
-            )
+        mine = _enc(owner)
+        take = ttl is not None and not release
+        args = [
+            mine,
+            "1" if release else "",
+            "" if ttl is None else _ms(ttl),
+            _pack(key, mine, meta, True) if take else "",
+        ]
+        raw = self._run(self._claim, [self._k(key), self._marker(key, owner)], args)
         outcome = ClaimOutcome(_text(raw[0]))
         return Claim(outcome, self._lock(key, raw[1:]) if outcome is ClaimOutcome.HELD else None)
 
     def revoke(self, key: str, owner: str, ttl: float) -> RevokeOutcome:
         """Mark ``owner`` revoked; release its lock unless started (one EVALSHA)."""
-        with self._boundary():
-            raw = self._revoke(
-                keys=[self._k(key), self._marker(key, owner)], args=[owner, _ms(ttl)]
-            )
+        raw = self._run(
+            self._revoke, [self._k(key), self._marker(key, owner)], [_enc(owner), _ms(ttl)]
+        )
         return _REVOKE_OUTCOMES[int(raw)]
 
     def settle(self, key: str, owner: str, ttl: float | None = None) -> bool:
         """Mark the owner's lock not started, keeping or resetting its TTL (one EVALSHA)."""
-        with self._boundary():
-            raw = self._settle(keys=[self._k(key)], args=[owner, "" if ttl is None else _ms(ttl)])
+        args = [_enc(owner), "" if ttl is None else _ms(ttl)]
+        raw = self._run(self._settle, [self._k(key)], args)
         return bool(raw)
 
     def unrevoke(self, key: str, owner: str) -> None:
@@ -345,12 +501,11 @@ class RedisStore:
 
     def get(self, key: str) -> Lock | None:
         """The live lock at ``key`` (one EVALSHA)."""
-        with self._boundary():
-            raw = self._get(keys=[self._k(key)])
+        raw = self._run(self._get, [self._k(key)], [])
         return self._lock(key, raw)
 
     def scan(self, prefix: str) -> Iterator[Lock]:
-        """Every live lock under ``prefix`` (SCAN plus one pipelined read per batch)."""
+        """Every live lock under ``prefix`` (SCAN, then the get script pipelined per batch)."""
         yield from self._scan_client(self.client, prefix)
 
     def _scan_client(self, client: Any, prefix: str) -> Iterator[Lock]:
@@ -362,18 +517,15 @@ class RedisStore:
             with self._boundary():
                 pipe = client.pipeline(transaction=False)
                 for physical in batch:
-                    pipe.hmget(physical, *_HOLDER_FIELDS)
-                    pipe.pttl(physical)
+                    self._get(keys=[physical], client=pipe)
                 replies = pipe.execute(raise_on_error=False)
-            for i, physical in enumerate(batch):
-                fields, pttl = replies[2 * i], replies[2 * i + 1]
-                if isinstance(fields, Exception) or not fields or not fields[0]:
-                    continue
-                owner, task, policy, at, task_id, started = fields
-                raw = [owner, task, policy, at, pttl, task_id, started]
-                lock = self._lock(physical[len(self.keyprefix) :], raw)
-                if lock is not None:
-                    yield lock
+            for physical, raw in zip(batch, replies, strict=True):
+                # Errors are keys of another type; undecodable strings are
+                # not locks (revoked markers, for one).
+                if raw and not isinstance(raw, Exception):
+                    lock = _decode(physical[len(self.keyprefix) :], raw)
+                    if lock is not None:
+                        yield lock
 
     def _counts_key(self, prefix: str) -> str:
         return self._k(f"{prefix}/counters")
@@ -397,6 +549,37 @@ class RedisStore:
             task_name, _, event = _text(field).partition("\x1f")
             counts[(task_name, event)] = int(value)
         return counts
+
+
+def _decode(key: str, raw: Sequence[Any]) -> Lock | None:
+    """A holder as the scripts return it: ``{pttl, record}`` or a hash's fields."""
+    expires_at = time.time() + max(0, int(raw[0])) / 1000.0
+    if len(raw) == 2:
+        fields = _unpack(key, _text(raw[1]))
+        if fields is None:
+            return None
+        owner, name, policy, at, task_id, started = fields
+        return Lock(
+            key=key,
+            owner=owner,
+            task_name=name,
+            acquired_at=at / 1000.0,
+            expires_at=expires_at,
+            policy=policy,
+            task_id=task_id or owner,
+            started=started,
+        )
+    owner, name, policy, at, task_id, st = raw[1:7]
+    return Lock(
+        key=key,
+        owner=_text(owner),
+        task_name=_text(name or b""),
+        acquired_at=int(at or 0) / 1000.0,
+        expires_at=expires_at,
+        policy=_text(policy or b""),
+        task_id=_text(task_id) if task_id else _text(owner),
+        started=bool(st),
+    )
 
 
 def _glob_escape(text: str) -> str:

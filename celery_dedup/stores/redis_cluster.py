@@ -1,10 +1,12 @@
-"""Redis Cluster lock store: the Redis store's scripts, routed by key slot.
+"""Redis Cluster lock store: the Redis store's scripts and records, routed by key slot.
 
-Every script of ``stores/redis.py`` touches exactly one key, passed in
-``KEYS``, so redis-py's ``RedisCluster`` sends each ``EVALSHA`` to the primary
-that owns the key's slot: acquire, release, extend, take-over and get stay one
-atomic round trip. ``scan`` walks every primary in turn; the counters live in
-one hash whose name carries a hash tag.
+Every script of ``stores/redis.py`` touches one lock key and at most that
+lock's revoked marker, which shares its hash slot, all passed in ``KEYS``, so
+redis-py's ``RedisCluster`` sends each ``EVALSHA`` to the primary that owns
+the slot: every operation stays one atomic round trip. A lock is the same
+string as on a single Redis (and an earlier version's hash is honoured the
+same way). ``scan`` walks every primary in turn; the counters live in one
+hash whose name carries a hash tag.
 
 The cluster client connects on first use, not when the store is built, so a
 cluster that is down at start-up is reported as ``StoreUnavailable`` by the

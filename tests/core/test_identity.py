@@ -158,7 +158,7 @@ def test_key_format_is_prefix_task_sha256(app: Celery) -> None:
     assert key is not None
     prefix, name, digest = key.rsplit(":", 2)
     assert prefix == "celery-dedup" and name == task.name
-    assert len(digest) == 64 and int(digest, 16) >= 0
+    assert len(digest) == 32 and int(digest, 16) >= 0
     caller = dedup_key_for(task, (1,), deduplication_key="user-42-secret")
     assert caller is not None and "user-42-secret" not in caller
 

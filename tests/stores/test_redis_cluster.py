@@ -11,6 +11,7 @@ from redis.exceptions import RedisClusterException
 
 from celery_dedup.exceptions import StoreUnavailable
 from celery_dedup.stores import store_from_url
+from celery_dedup.stores.base import ClaimOutcome
 from celery_dedup.stores.redis_cluster import RedisClusterStore, cluster_url
 from tests.fixtures._servers import free_port
 from tests.fixtures.redis_cluster import RedisClusterServer
@@ -78,6 +79,26 @@ def test_owner_checked_operations(store: RedisClusterStore) -> None:
     assert store.release(key, "a") is False
     assert store.release(key, "c") is True
     assert store.get(key) is None
+
+
+def test_string_records_and_earlier_hashes(store: RedisClusterStore) -> None:
+    """Locks are strings on the cluster too, and a hash of an earlier version is honoured."""
+    client = store.client
+    store.acquire("celery-dedup:tasks.add:new", "a", 30, META)
+    assert client.type("celery-dedup:tasks.add:new") == b"string"
+    old = "celery-dedup:tasks.add:old"
+    client.hset(old, mapping={"owner": "task-1", "task": "tasks.add", "policy": "success",
+                              "at": int(time.time() * 1000)})
+    client.pexpire(old, 30_000)
+    holder = store.acquire(old, "b", 30, META)
+    assert holder is not None and (holder.owner, holder.task_id) == ("task-1", "task-1")
+    claim = store.claim(old, "task-1", release=False, ttl=None, meta=META)
+    assert claim.outcome is ClaimOutcome.OWNED
+    assert {lock.key: lock.started for lock in store.scan("celery-dedup:")} == {
+        "celery-dedup:tasks.add:new": False, old: True,
+    }
+    assert store.release(old, "b") is False
+    assert store.release(old, "task-1") is True
 
 
 def test_ttl_expiry_in_milliseconds(store: RedisClusterStore) -> None:
