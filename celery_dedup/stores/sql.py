@@ -7,6 +7,13 @@ producers and workers with skewed clocks agree on expiry. Every operation
 runs on an autocommit connection, so a single-statement operation is one
 round trip: no ``BEGIN``/``COMMIT`` around it.
 
+Statements are rendered once per store for its engine. While nothing
+observes the engine's statements (no cursor or error event listener, no
+SQL logging), they run on the pooled DBAPI connection itself, skipping
+SQLAlchemy's per-statement execution and result machinery, which costs as
+much as the database's answer; otherwise through ``exec_driver_sql``, so
+listeners and logs see every statement. Both send the same SQL.
+
 - PostgreSQL: every operation is one statement (data-modifying CTEs).
 - SQLite ≥ 3.35 and MySQL/MariaDB: acquire is one upsert (MySQL: plus a
   read), the worker's start check is one ``UPDATE``/``DELETE`` when the
@@ -29,9 +36,9 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from kombu.utils.url import maybe_sanitize_url
 from sqlalchemy import (
@@ -39,7 +46,7 @@ from sqlalchemy import (
     event,
     inspect,
 )
-from sqlalchemy.engine import Connection, Engine, Row, make_url
+from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.engine.default import DefaultDialect
 from sqlalchemy.exc import (
     ArgumentError,
@@ -75,7 +82,10 @@ from .sql_dialects import (
     _like_prefix,
     _missing_driver,
     _pick_dialect,
+    _Result,
+    _Runner,
     _set_session,
+    _Statement,
     counter_table,
     is_contention,
     lock_table,
@@ -125,6 +135,113 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def _observed(engine: Engine) -> bool:
+    """Whether anything watches ``engine``'s statements: a listener or SQL logging."""
+    events = engine.dispatch
+    driver = engine.dialect.dispatch
+    return bool(
+        events.before_cursor_execute
+        or events.after_cursor_execute
+        or driver.do_execute
+        or driver.do_execute_no_params
+        or driver.handle_error
+        or engine.logger.isEnabledFor(logging.INFO)
+    )
+
+
+class _EngineRunner:
+    """Runs rendered statements through SQLAlchemy (``exec_driver_sql``).
+
+    Taken while something observes the engine, so its listeners, error
+    handlers and SQL log see every statement.
+    """
+
+    __slots__ = ("connection",)
+
+    def __init__(self, connection: Connection) -> None:
+        self.connection = connection
+
+    def __call__(self, statement: _Statement, params: Mapping[str, Any]) -> _Result:
+        result = self.connection.exec_driver_sql(statement.sql, statement.parameters(params))
+        if statement.row is None:
+            return _Result([], result.rowcount)
+        rows = [statement.row._make(row) for row in result]
+        return _Result(rows, len(rows))
+
+    def sql(self, text: str) -> None:
+        self.connection.exec_driver_sql(text)
+
+
+class _DriverRunner:
+    """Runs rendered statements on the pooled DBAPI connection itself.
+
+    SQLAlchemy's execution and result machinery per statement costs about as
+    much as the database's answer; this skips it, and does what it would do
+    on errors: a driver error becomes SQLAlchemy's (``OperationalError``…),
+    a dropped connection is invalidated with the rest of the pool (the next
+    call reconnects), and a connection interrupted mid-statement (a time
+    limit, ``KeyboardInterrupt``) never goes back to the pool.
+    """
+
+    __slots__ = ("_dbapi", "_error", "connection")
+
+    def __init__(self, connection: Connection, error: type[Exception]) -> None:
+        self.connection = connection
+        dbapi = connection.connection.dbapi_connection
+        assert dbapi is not None  # checked out and valid
+        self._dbapi = dbapi
+        self._error = error
+
+    def __call__(self, statement: _Statement, params: Mapping[str, Any]) -> _Result:
+        return self._execute(statement.sql, statement.parameters(params), statement.row)
+
+    def sql(self, text: str) -> None:
+        self._execute(text, None, None)
+
+    def _execute(self, sql: str, parameters: Any, row: type[Any] | None) -> _Result:
+        cursor = None
+        try:
+            cursor = self._dbapi.cursor()
+            if parameters is None:
+                cursor.execute(sql)
+            else:
+                cursor.execute(sql, parameters)
+            if row is None:
+                result = _Result([], cursor.rowcount)
+            else:
+                rows = [row._make(values) for values in cursor.fetchall()]
+                result = _Result(rows, len(rows))
+            cursor.close()
+            return result
+        except self._error as exc:
+            raise self._translate(exc, sql, parameters, cursor) from exc
+        except BaseException as exc:
+            self.connection.invalidate(exc)
+            raise
+
+    def _translate(self, exc: Exception, sql: str, parameters: Any, cursor: Any) -> BaseException:
+        engine = self.connection.engine
+        dialect = engine.dialect
+        disconnect = dialect.is_disconnect(cast(Any, exc), self.connection.connection, cursor)
+        if cursor is not None:
+            with suppress(Exception):
+                cursor.close()
+        if disconnect and not self.connection.invalidated:
+            # As SQLAlchemy does: the other pooled connections most likely
+            # lost the same server, so they go too.
+            self.connection.invalidate(exc)
+            engine.dispose()
+        return DBAPIError.instance(
+            sql,
+            parameters,
+            exc,
+            self._error,
+            hide_parameters=engine.hide_parameters,
+            connection_invalidated=disconnect,
+            dialect=dialect,
+        )
+
+
 class SQLStore:
     """Owner-checked TTL locks in a SQL table (SQLAlchemy Core).
 
@@ -171,6 +288,7 @@ class SQLStore:
             ) from exc
         if self.engine.dialect.name in ("mysql", "mariadb"):
             event.listen(self.engine, "connect", _set_session)
+        self._dbapi_error: type[Exception] = self.engine.dialect.loaded_dbapi.Error
         self._dialect: _Dialect | None = None
         self._ready_lock = threading.Lock()
         self._next_reap = time.monotonic() + reap_interval
@@ -239,17 +357,17 @@ class SQLStore:
                     raise
                 time.sleep(0.05 * (attempt + 1))
 
-    def _run(self, operation: Callable[[_Dialect, Connection], T], key: str = "") -> T:
+    def _run(self, operation: Callable[[_Dialect, _Runner], T], key: str = "") -> T:
         """Run ``operation`` on a pooled connection; run it again after a lost race."""
         with self._errors():
-            dialect = self._ready()
+            dialect = self._dialect or self._ready()
             deadline = time.monotonic() + CONTENTION_BUDGET
             tries = 0
             while True:
                 tries += 1
                 try:
                     with self.engine.connect() as conn:
-                        return operation(dialect, conn)
+                        return operation(dialect, self._runner(conn))
                 except DBAPIError as exc:
                     # The database broke a deadlock or a wait by failing us;
                     # nothing was written, so it is safe to run again.
@@ -264,6 +382,11 @@ class SQLStore:
                     )
                 time.sleep(_backoff(tries))
 
+    def _runner(self, conn: Connection) -> _Runner:
+        if _observed(self.engine):
+            return _EngineRunner(conn)
+        return _DriverRunner(conn, self._dbapi_error)
+
     def _params(self, key: str, owner: str, ttl: float, meta: LockMeta) -> dict[str, Any]:
         if len(key) > KEY_LENGTH:
             raise ValueError(E_KEY_TOO_LONG.format(length=len(key), limit=KEY_LENGTH))
@@ -276,11 +399,10 @@ class SQLStore:
             "b_started": meta.get("started") == "1",
             "b_token": secrets.token_hex(16),
             "b_ttl": float(ttl),
-            "b_marker": revoked_marker_key(key, owner),
         }
 
     @staticmethod
-    def _lock(key: str, row: Row[Any]) -> Lock:
+    def _lock(key: str, row: Any) -> Lock:
         # Times come from the database clock; report them on ours, as offsets
         # from the database's "now" of the same statement.
         now = time.time()
@@ -302,19 +424,19 @@ class SQLStore:
     def acquire(self, key: str, owner: str, ttl: float, meta: LockMeta) -> Lock | None:
         """Take the lock if free or expired, else return the holder (one upsert)."""
         params = self._params(key, owner, ttl, meta)
-        row = self._run(lambda d, conn: d.acquire(conn, params), key)
+        row = self._run(lambda d, run: d.acquire(run, params), key)
         self._maybe_reap()
         return None if row is None else self._lock(key, row)
 
     def release(self, key: str, owner: str) -> bool:
         """Delete the row if ``owner`` holds it and it is live (one DELETE)."""
         params = {"b_key": key, "b_owner": owner}
-        return self._run(lambda d, conn: conn.execute(d.release, params).rowcount > 0, key)
+        return self._run(lambda d, run: run(d.release, params).rowcount > 0, key)
 
     def extend(self, key: str, owner: str, ttl: float) -> bool:
         """Set the expiry to now + ``ttl`` if ``owner`` holds the live lock (one UPDATE)."""
         params = {"b_key": key, "b_owner": owner, "b_ttl": float(ttl)}
-        return self._run(lambda d, conn: conn.execute(d.extend, params).rowcount > 0, key)
+        return self._run(lambda d, run: run(d.extend, params).rowcount > 0, key)
 
     def take_over(self, key: str, owner: str, ttl: float, meta: LockMeta) -> Lock | None:
         """Make ``owner`` the holder; return the previous live holder.
@@ -323,7 +445,7 @@ class SQLStore:
         or locks the existing one first on MySQL/MariaDB and SQLite.
         """
         params = self._params(key, owner, ttl, meta)
-        row = self._run(lambda d, conn: d.take_over(conn, params), key)
+        row = self._run(lambda d, run: d.take_over(run, params), key)
         if row is None or float(row.expires_at) <= float(row.now):
             return None
         return self._lock(key, row)
@@ -338,9 +460,10 @@ class SQLStore:
         key and is not revoked, the common case; else a short transaction.
         """
         params = self._params(key, owner, ttl or 0.0, {**meta, "started": "1"})
+        params["b_marker"] = revoked_marker_key(key, owner)
         params["b_release"] = release
         params["b_take"] = ttl is not None and not release
-        outcome, row = self._run(lambda d, conn: d.claim(conn, params), key)
+        outcome, row = self._run(lambda d, run: d.claim(run, params), key)
         return Claim(outcome, None if row is None else self._lock(key, row))
 
     def revoke(self, key: str, owner: str, ttl: float) -> RevokeOutcome:
@@ -349,21 +472,22 @@ class SQLStore:
         One statement on PostgreSQL; a short transaction elsewhere.
         """
         params = self._params(key, owner, ttl, {})
-        return self._run(lambda d, conn: d.revoke(conn, params), key)
+        params["b_marker"] = revoked_marker_key(key, owner)
+        return self._run(lambda d, run: d.revoke(run, params), key)
 
     def settle(self, key: str, owner: str, ttl: float | None = None) -> bool:
         """Mark the owner's live lock not started, keeping or resetting its expiry (one UPDATE)."""
         params = {"b_key": key, "b_owner": owner, "b_ttl": None if ttl is None else float(ttl)}
-        return self._run(lambda d, conn: conn.execute(d.settle, params).rowcount > 0, key)
+        return self._run(lambda d, run: run(d.settle, params).rowcount > 0, key)
 
     def unrevoke(self, key: str, owner: str) -> None:
         """Delete the revoked marker of ``owner`` on ``key`` (one DELETE)."""
         params = {"b_marker": revoked_marker_key(key, owner)}
-        self._run(lambda d, conn: conn.execute(d.unrevoke, params), key)
+        self._run(lambda d, run: run(d.unrevoke, params), key)
 
     def get(self, key: str) -> Lock | None:
         """The live lock at ``key`` (one SELECT)."""
-        row = self._run(lambda d, conn: conn.execute(d.get, {"b_key": key}).first(), key)
+        row = self._run(lambda d, run: run(d.get, {"b_key": key}).first(), key)
         return None if row is None else self._lock(key, row)
 
     def scan(self, prefix: str, *, batch: int = 500) -> Iterator[Lock]:
@@ -393,7 +517,7 @@ class SQLStore:
             if n
         ]
         if rows:
-            self._run(lambda d, conn: conn.execute(d.add_counts(rows)))
+            self._run(lambda d, run: run.connection.execute(d.add_counts(rows)))
 
     def read_counts(self, prefix: str) -> dict[tuple[str, str], int]:
         """Every counter under ``prefix`` (one SELECT)."""
@@ -405,9 +529,9 @@ class SQLStore:
     def purge_expired(self) -> int:
         """Delete every expired lock and revoked marker now; returns how many locks."""
 
-        def purge(dialect: _Dialect, conn: Connection) -> int:
-            conn.execute(dialect.reap_revoked)
-            return int(conn.execute(dialect.reap).rowcount)
+        def purge(dialect: _Dialect, run: _Runner) -> int:
+            run(dialect.reap_revoked, {})
+            return run(dialect.reap, {}).rowcount
 
         return self._run(purge)
 

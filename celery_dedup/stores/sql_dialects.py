@@ -3,15 +3,18 @@
 Three tables (``celery_dedup_sql_lock``, ``celery_dedup_sql_revoked``,
 ``celery_dedup_sql_counter``) and one ``_Dialect`` per database family, each
 building the single statement (or the shortest transaction) an operation
-needs: PostgreSQL, SQLite, MySQL and MariaDB. ``stores/sql.py`` holds the
-store that runs them and retries lost races.
+needs: PostgreSQL, SQLite, MySQL and MariaDB. Statements are written in
+SQLAlchemy Core and rendered once per store for its engine (``_Statement``);
+each call then only binds values. ``stores/sql.py`` holds the store that
+runs them (through a ``_Runner``) and retries lost races.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections import namedtuple
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 from kombu.utils.url import maybe_sanitize_url
 from sqlalchemy import (
@@ -36,16 +39,19 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects import mysql, postgresql, sqlite
-from sqlalchemy.engine import Connection, Engine, Row
+from sqlalchemy.engine import Connection, Dialect, Engine
 from sqlalchemy.exc import (
     DBAPIError,
     DisconnectionError,
     InterfaceError,
+    MultipleResultsFound,
+    NoResultFound,
     OperationalError,
 )
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
+from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.dml import Insert
-from sqlalchemy.sql.expression import ColumnElement, Executable, bindparam
+from sqlalchemy.sql.expression import ColumnElement, Executable, ReturnsRows, Select, bindparam
 
 from ..exceptions import ImproperlyConfigured, StoreContention
 from . import E_MISSING_DRIVER
@@ -63,6 +69,8 @@ __all__ = [
 
 
 T = TypeVar("T")
+#: the engine's ``schema_translate_map`` execution option, if any
+SchemaMap = Mapping[str | None, str | None] | None
 
 LOCK_TABLE = "celery_dedup_sql_lock"
 REVOKED_TABLE = "celery_dedup_sql_revoked"
@@ -218,8 +226,89 @@ def _flag(name: str) -> ColumnElement[bool]:
     return bindparam(name, type_=Boolean())
 
 
+class _Statement:
+    """One statement, rendered once for the store's engine and run as that SQL.
+
+    Calls bind values in the driver's paramstyle and nothing else: no
+    compilation, cache key or result metadata per call. Rows are named
+    tuples of the driver's own values (no SQLAlchemy type processing:
+    ``started`` may be 0/1, MySQL's ``now`` a ``Decimal``), the same on
+    either ``_Runner``.
+    """
+
+    __slots__ = ("defaults", "order", "row", "sql")
+
+    def __init__(
+        self, statement: ReturnsRows, dialect: Dialect, schema_map: SchemaMap = None
+    ) -> None:
+        options: dict[str, Any] = {}
+        if schema_map:
+            options["schema_translate_map"] = schema_map
+            options["render_schema_translate"] = True
+        compiled = statement.compile(dialect=dialect, **options)
+        assert isinstance(compiled, SQLCompiler)
+        if compiled.literal_execute_params or compiled.post_compile_params:
+            raise TypeError(f"statement is rendered per call on {dialect.name}: {compiled}")
+        self.sql: str = compiled.string
+        #: the bound names in order, for a positional paramstyle
+        self.order: tuple[str, ...] | None = (
+            tuple(compiled.positiontup or ()) if compiled.positional else None
+        )
+        #: values SQLAlchemy bound itself (e.g. SQLite's ``OFFSET 0``)
+        self.defaults: dict[str, Any] = {
+            name: bind.effective_value
+            for bind, name in compiled.bind_names.items()
+            if not bind.required
+        }
+        columns = list(statement.exported_columns.keys())
+        self.row: type[Any] | None = namedtuple("Row", columns) if columns else None
+
+    def parameters(self, params: Mapping[str, Any]) -> Any:
+        """``params`` as the driver takes them for this statement."""
+        if self.defaults:
+            params = {**self.defaults, **params}
+        if self.order is None:
+            return params
+        return tuple([params[name] for name in self.order])
+
+    def __repr__(self) -> str:
+        return f"<_Statement {self.sql!r}>"
+
+
+class _Result(NamedTuple):
+    """What a statement returned: its rows (named tuples) and the rows it matched."""
+
+    rows: list[Any]
+    rowcount: int
+
+    def first(self) -> Any:
+        """The first row, or ``None``."""
+        return self.rows[0] if self.rows else None
+
+    def one(self) -> Any:
+        """The only row (an error unless there is exactly one)."""
+        if not self.rows:
+            raise NoResultFound("No row was found when one was required")
+        if len(self.rows) > 1:
+            raise MultipleResultsFound("Multiple rows were found when exactly one was required")
+        return self.rows[0]
+
+
+class _Runner(Protocol):
+    """Runs rendered statements on one checked-out connection (see ``stores/sql.py``)."""
+
+    #: the SQLAlchemy connection, for the few statements built per call
+    connection: Connection
+
+    def __call__(self, statement: _Statement, params: Mapping[str, Any]) -> _Result:
+        """Run ``statement`` with ``params``; fetch its rows if it returns any."""
+
+    def sql(self, text: str) -> None:
+        """Run a statement without parameters or rows (``BEGIN``, ``COMMIT``…)."""
+
+
 class _Dialect:
-    """The statements of one database family, built once per store.
+    """The statements of one database family, rendered once per store.
 
     Bound parameters: ``b_key``, ``b_owner``, ``b_task_id``, ``b_task_name``,
     ``b_policy``, ``b_started``, ``b_token``, ``b_ttl``; ``b_marker`` (the
@@ -230,7 +319,9 @@ class _Dialect:
     #: how "now" reads as epoch seconds, stable within one statement
     now_sql = ""
 
-    def __init__(self) -> None:
+    def __init__(self, dialect: Dialect, schema_map: SchemaMap = None) -> None:
+        self.dialect = dialect
+        self.schema_map = schema_map
         self.now: ColumnElement[float] = literal_column(self.now_sql, Double())
         self.live = _L.expires_at > self.now
         self.at_key = _L.key == bindparam("b_key")
@@ -238,15 +329,17 @@ class _Dialect:
         self.mine = and_(self.at_key, _L.owner == bindparam("b_owner"), self.live)
         #: the live revoked marker of ``b_owner`` on ``b_key``
         self.marker = and_(_R.key == bindparam("b_marker"), _R.expires_at > self.now)
-        self.get = select(*_LOCK_COLUMNS, self.now.label("now")).where(self.at_key, self.live)
-        self.release = delete(lock_table).where(self.mine)
-        self.extend = (
+        self.get = self.render(
+            select(*_LOCK_COLUMNS, self.now.label("now")).where(self.at_key, self.live)
+        )
+        self.release = self.render(delete(lock_table).where(self.mine))
+        self.extend = self.render(
             update(lock_table)
             .where(self.mine)
             .values(expires_at=self.now + bindparam("b_ttl", type_=Double()))
         )
         # A NULL ``b_ttl`` keeps the expiry.
-        self.settle = (
+        self.settle = self.render(
             update(lock_table)
             .where(self.mine)
             .values(
@@ -256,8 +349,8 @@ class _Dialect:
                 ),
             )
         )
-        self.unrevoke = delete(revoked_table).where(_R.key == bindparam("b_marker"))
-        self.scan = (
+        self.unrevoke = self.render(delete(revoked_table).where(_R.key == bindparam("b_marker")))
+        self.scan = self.render(
             select(_L.key, *_LOCK_COLUMNS, self.now.label("now"))
             .where(
                 _L.key.like(bindparam("b_pattern", type_=String()), escape="!"),
@@ -267,11 +360,17 @@ class _Dialect:
             .order_by(_L.key)
             .limit(bindparam("b_limit"))
         )
-        self.reap = delete(lock_table).where(_L.expires_at <= self.now)
-        self.reap_revoked = delete(revoked_table).where(_R.expires_at <= self.now)
-        self.read_counts = select(_C.task_name, _C.event, _C.count.label("total")).where(
-            _C.prefix == bindparam("b_prefix")
+        self.reap = self.render(delete(lock_table).where(_L.expires_at <= self.now))
+        self.reap_revoked = self.render(delete(revoked_table).where(_R.expires_at <= self.now))
+        self.read_counts = self.render(
+            select(_C.task_name, _C.event, _C.count.label("total")).where(
+                _C.prefix == bindparam("b_prefix")
+            )
         )
+
+    def render(self, statement: ReturnsRows) -> _Statement:
+        """``statement`` rendered for the store's engine."""
+        return _Statement(statement, self.dialect, self.schema_map)
 
     def row_values(self) -> dict[str, Any]:
         """The VALUES of a new lock row, on the database's clock."""
@@ -294,26 +393,24 @@ class _Dialect:
             "expires_at": self.now + bindparam("b_ttl", type_=Double()),
         }
 
-    def acquire(self, conn: Connection, params: dict[str, Any]) -> Row[Any] | None:
+    def acquire(self, run: _Runner, params: dict[str, Any]) -> Any:
         """Take the key; ``None`` when taken, else the holder's row."""
         raise NotImplementedError
 
-    def take_over(self, conn: Connection, params: dict[str, Any]) -> Row[Any] | None:
+    def take_over(self, run: _Runner, params: dict[str, Any]) -> Any:
         """Become the holder; the previous row (live or not), or ``None``."""
         raise NotImplementedError
 
-    def claim(
-        self, conn: Connection, params: dict[str, Any]
-    ) -> tuple[ClaimOutcome, Row[Any] | None]:
+    def claim(self, run: _Runner, params: dict[str, Any]) -> tuple[ClaimOutcome, Any]:
         """The start check; the outcome and, for ``HELD``, the holder's row."""
         raise NotImplementedError
 
-    def revoke(self, conn: Connection, params: dict[str, Any]) -> RevokeOutcome:
+    def revoke(self, run: _Runner, params: dict[str, Any]) -> RevokeOutcome:
         """Write the revoked marker and release an unstarted holder."""
         raise NotImplementedError
 
     def add_counts(self, rows: list[dict[str, Any]]) -> Executable:
-        """One statement adding ``rows`` to the counters."""
+        """One statement adding ``rows`` to the counters (built per call: Core)."""
         raise NotImplementedError
 
 
@@ -324,8 +421,8 @@ class _Postgres(_Dialect):
     # would move between the VALUES and the WHERE of one upsert.
     now_sql = "CAST(EXTRACT(EPOCH FROM statement_timestamp()) AS DOUBLE PRECISION)"
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, dialect: Dialect, schema_map: SchemaMap = None) -> None:
+        super().__init__(dialect, schema_map)
         values = self.row_values()
         new = {name: value for name, value in values.items() if name != "key"}
         ins = postgresql.insert(lock_table).values(**values)
@@ -335,18 +432,25 @@ class _Postgres(_Dialect):
                 set_={name: ins.excluded[name] for name in new},
                 where=_L.expires_at <= self.now,
             )
-            .returning(*_LOCK_COLUMNS)
+            .returning(_L.key)
             .cte("taken")
         )
         # The second branch reads the holder in the statement's snapshot, so a
         # row committed after the snapshot is missed (no row) or seen in an
         # older version (expired): acquire() re-runs the statement for those.
+        # A taken key returns no holder columns: nothing to send or decode.
         held = select(false(), *_LOCK_COLUMNS, self.now).where(
-            self.at_key, ~exists(select(taken.c.owner))
+            self.at_key, ~exists(select(taken.c.key))
         )
-        self.acquire_stmt = select(
-            true().label("taken"), *taken.c, self.now.label("now")
-        ).union_all(held)
+        self.acquire_stmt = self.render(
+            select(
+                true().label("taken"),
+                *(null().label(column.name) for column in _LOCK_COLUMNS),
+                self.now.label("now"),
+            )
+            .select_from(taken)
+            .union_all(held)
+        )
 
         # UPDATE … FROM (SELECT … FOR UPDATE) returns the row's values before
         # the update, re-read after waiting for a concurrent writer.
@@ -369,14 +473,16 @@ class _Postgres(_Dialect):
             .cte("inserted")
         )
         blanks = [null()] * (len(_LOCK_COLUMNS) - 1)
-        self.take_over_stmt = select(
-            true().label("replaced"), *replaced.c, self.now.label("now")
-        ).union_all(select(false(), inserted.c.owner, *blanks, self.now))
+        self.take_over_stmt = self.render(
+            select(true().label("replaced"), *replaced.c, self.now.label("now")).union_all(
+                select(false(), inserted.c.owner, *blanks, self.now)
+            )
+        )
 
-        self.claim_stmt = self._claim_statement(values, new)
-        self.revoke_stmt = self._revoke_statement()
+        self.claim_stmt = self.render(self._claim_statement(values, new))
+        self.revoke_stmt = self.render(self._revoke_statement())
 
-    def _claim_statement(self, values: dict[str, Any], new: dict[str, Any]) -> Executable:
+    def _claim_statement(self, values: dict[str, Any], new: dict[str, Any]) -> Select[Any]:
         # Every CTE reads one snapshot; the DELETE, UPDATE and INSERT see the
         # latest row (re-checked after waiting for a concurrent writer).
         # claim() re-runs the statement when the two disagree.
@@ -420,7 +526,7 @@ class _Postgres(_Dialect):
             self.now.label("now"),
         )
 
-    def _revoke_statement(self) -> Executable:
+    def _revoke_statement(self) -> Select[Any]:
         ins = postgresql.insert(revoked_table).values(**self.marker_values())
         marker = (
             ins.on_conflict_do_update(
@@ -437,28 +543,26 @@ class _Postgres(_Dialect):
             select(current.c.started).scalar_subquery().label("started"),
         ).add_cte(marker)
 
-    def acquire(self, conn: Connection, params: dict[str, Any]) -> Row[Any] | None:
+    def acquire(self, run: _Runner, params: dict[str, Any]) -> Any:
         for _ in range(_RACE_RETRIES):
-            row = conn.execute(self.acquire_stmt, params).first()
+            row = run(self.acquire_stmt, params).first()
             if row is None or (not row.taken and row.expires_at <= row.now):
                 continue
             return None if row.taken else row
         raise _contention(params["b_key"])
 
-    def take_over(self, conn: Connection, params: dict[str, Any]) -> Row[Any] | None:
+    def take_over(self, run: _Runner, params: dict[str, Any]) -> Any:
         for _ in range(_RACE_RETRIES):
-            row = conn.execute(self.take_over_stmt, params).first()
+            row = run(self.take_over_stmt, params).first()
             if row is None:
                 # Inserted by another writer after our snapshot: run again.
                 continue
             return row if row.replaced else None
         raise _contention(params["b_key"])
 
-    def claim(
-        self, conn: Connection, params: dict[str, Any]
-    ) -> tuple[ClaimOutcome, Row[Any] | None]:
+    def claim(self, run: _Runner, params: dict[str, Any]) -> tuple[ClaimOutcome, Any]:
         for _ in range(_RACE_RETRIES):
-            row = conn.execute(self.claim_stmt, params).one()
+            row = run(self.claim_stmt, params).one()
             if row.revoked:
                 return ClaimOutcome.REVOKED, None
             if row.owned:
@@ -471,9 +575,9 @@ class _Postgres(_Dialect):
             # snapshot: run again.
         raise _contention(params["b_key"])
 
-    def revoke(self, conn: Connection, params: dict[str, Any]) -> RevokeOutcome:
+    def revoke(self, run: _Runner, params: dict[str, Any]) -> RevokeOutcome:
         for _ in range(_RACE_RETRIES):
-            row = conn.execute(self.revoke_stmt, params).one()
+            row = run(self.revoke_stmt, params).one()
             if row.released:
                 return RevokeOutcome.RELEASED
             if row.started is None:
@@ -508,90 +612,90 @@ class _Transactional(_Dialect):
     #: the statement opening a transaction
     begin = ""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, dialect: Dialect, schema_map: SchemaMap = None) -> None:
+        super().__init__(dialect, schema_map)
         unrevoked = ~exists(select(_R.key).where(self.marker))
         # The holder starting, with no marker: the common claim, one statement.
-        self.start_mine = update(lock_table).where(self.mine, unrevoked).values(started=True)
-        self.release_mine = delete(lock_table).where(self.mine, unrevoked)
-        self.locked_marker = select(_R.key).where(self.marker).with_for_update()
+        self.start_mine = self.render(
+            update(lock_table).where(self.mine, unrevoked).values(started=True)
+        )
+        self.release_mine = self.render(delete(lock_table).where(self.mine, unrevoked))
+        self.locked_marker = self.render(select(_R.key).where(self.marker).with_for_update())
 
         values = self.row_values()
-        self.insert_or_keep = self.build_insert_or_keep(values)
-        self.locked_row = (
+        self.insert_or_keep = self.render(self.build_insert_or_keep(values))
+        self.locked_row = self.render(
             select(*_LOCK_COLUMNS, _L.token, self.now.label("now"))
             .where(self.at_key)
             .with_for_update()
         )
-        self.drop = delete(lock_table).where(self.at_key)
-        self.start = update(lock_table).where(self.at_key).values(started=True)
-        self.replace = (
+        self.drop = self.render(delete(lock_table).where(self.at_key))
+        self.start = self.render(update(lock_table).where(self.at_key).values(started=True))
+        self.replace = self.render(
             update(lock_table)
             .where(self.at_key)
             .values({name: value for name, value in values.items() if name != "key"})
         )
-        self.mark_revoked = self.build_mark_revoked()
+        self.mark_revoked = self.render(self.build_mark_revoked())
 
     def build_insert_or_keep(self, values: dict[str, Any]) -> Insert:
         """Insert the new row, or leave the existing one as it is (locked)."""
         raise NotImplementedError
 
-    def build_mark_revoked(self) -> Executable:
+    def build_mark_revoked(self) -> Insert:
         """Insert the revoked marker, or push its expiry out to now + ``b_ttl``."""
         raise NotImplementedError
 
-    def hold(self, conn: Connection, params: dict[str, Any]) -> Row[Any]:
+    def hold(self, run: _Runner, params: dict[str, Any]) -> Any:
         """Inside a transaction: insert-or-keep the key's row, then read it."""
-        conn.execute(self.insert_or_keep, params)
-        return conn.execute(self.locked_row, params).one()
+        run(self.insert_or_keep, params)
+        return run(self.locked_row, params).one()
 
-    def take_over(self, conn: Connection, params: dict[str, Any]) -> Row[Any] | None:
-        with _transaction(conn, self.begin):
-            row = self.hold(conn, params)
+    def take_over(self, run: _Runner, params: dict[str, Any]) -> Any:
+        with _transaction(run, self.begin):
+            row = self.hold(run, params)
             if row.token == params["b_token"]:
                 return None
-            conn.execute(self.replace, params)
+            run(self.replace, params)
             return row
 
-    def claim(
-        self, conn: Connection, params: dict[str, Any]
-    ) -> tuple[ClaimOutcome, Row[Any] | None]:
+    def claim(self, run: _Runner, params: dict[str, Any]) -> tuple[ClaimOutcome, Any]:
         fast = self.release_mine if params["b_release"] else self.start_mine
-        if conn.execute(fast, params).rowcount:
+        if run(fast, params).rowcount:
             return ClaimOutcome.OWNED, None
-        with _transaction(conn, self.begin):
-            revoked = conn.execute(self.locked_marker, params).first() is not None
-            row = self.hold(conn, params)
+        with _transaction(run, self.begin):
+            revoked = run(self.locked_marker, params).first() is not None
+            row = self.hold(run, params)
             inserted = row.token == params["b_token"]
             live = not inserted and row.expires_at > row.now
             mine = live and row.owner == params["b_owner"]
             if revoked:
                 if inserted or mine:
-                    conn.execute(self.drop, params)
+                    run(self.drop, params)
                 return ClaimOutcome.REVOKED, None
             if mine:
-                conn.execute(self.drop if params["b_release"] else self.start, params)
+                run(self.drop if params["b_release"] else self.start, params)
                 return ClaimOutcome.OWNED, None
             if live:
                 return ClaimOutcome.HELD, row
             # Free: keep the row we inserted only when asked to take the key.
             if params["b_take"] and not inserted:
-                conn.execute(self.replace, params)
+                run(self.replace, params)
             elif inserted and not params["b_take"]:
-                conn.execute(self.drop, params)
+                run(self.drop, params)
             return ClaimOutcome.FREE, None
 
-    def revoke(self, conn: Connection, params: dict[str, Any]) -> RevokeOutcome:
-        with _transaction(conn, self.begin):
+    def revoke(self, run: _Runner, params: dict[str, Any]) -> RevokeOutcome:
+        with _transaction(run, self.begin):
             # The marker first: a claim of this owner that locked it (or the
             # gap where it goes) first commits before we read the key's row.
-            conn.execute(self.mark_revoked, params)
-            row = conn.execute(self.locked_row, params).first()
+            run(self.mark_revoked, params)
+            row = run(self.locked_row, params).first()
             if row is None or row.expires_at <= row.now or row.owner != params["b_owner"]:
                 return RevokeOutcome.NOT_HELD
             if row.started:
                 return RevokeOutcome.RUNNING
-            conn.execute(self.drop, params)
+            run(self.drop, params)
             return RevokeOutcome.RELEASED
 
 
@@ -601,34 +705,38 @@ class _SQLite(_Transactional):
     # Take the write lock first, so the reads and writes see the same rows.
     begin = "BEGIN IMMEDIATE"
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, dialect: Dialect, schema_map: SchemaMap = None) -> None:
+        super().__init__(dialect, schema_map)
         values = self.row_values()
         ins = sqlite.insert(lock_table).values(**values)
-        self.acquire_stmt = ins.on_conflict_do_update(
-            index_elements=[_L.key],
-            set_={name: ins.excluded[name] for name in values if name != "key"},
-            where=_L.expires_at <= self.now,
-        ).returning(_L.owner)
-        self.holder = select(*_LOCK_COLUMNS, self.now.label("now")).where(self.at_key)
+        self.acquire_stmt = self.render(
+            ins.on_conflict_do_update(
+                index_elements=[_L.key],
+                set_={name: ins.excluded[name] for name in values if name != "key"},
+                where=_L.expires_at <= self.now,
+            ).returning(_L.owner)
+        )
+        self.holder = self.render(
+            select(*_LOCK_COLUMNS, self.now.label("now")).where(self.at_key)
+        )
 
     def build_insert_or_keep(self, values: dict[str, Any]) -> Insert:
         return sqlite.insert(lock_table).values(**values).on_conflict_do_nothing()
 
-    def build_mark_revoked(self) -> Executable:
+    def build_mark_revoked(self) -> Insert:
         ins = sqlite.insert(revoked_table).values(**self.marker_values())
         return ins.on_conflict_do_update(
             index_elements=[_R.key],
             set_={"expires_at": func.max(_R.expires_at, ins.excluded.expires_at)},
         )
 
-    def acquire(self, conn: Connection, params: dict[str, Any]) -> Row[Any] | None:
+    def acquire(self, run: _Runner, params: dict[str, Any]) -> Any:
         for _ in range(_RACE_RETRIES):
-            if conn.execute(self.acquire_stmt, params).first() is not None:
+            if run(self.acquire_stmt, params).first() is not None:
                 return None
             # The key was live when the upsert ran; read the holder. A release
             # or expiry in between leaves no live holder: try again.
-            row = conn.execute(self.holder, params).first()
+            row = run(self.holder, params).first()
             if row is not None and row.expires_at > row.now:
                 return row
         raise _contention(params["b_key"])
@@ -654,30 +762,36 @@ class _MySQL(_Transactional):
         "owner", "task_id", "task_name", "policy", "started", "token", "acquired_at", "expires_at"
     )
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, dialect: Dialect, schema_map: SchemaMap = None) -> None:
+        super().__init__(dialect, schema_map)
+        self.upsert = self.render(self.build_upsert())
+        self.holder = self.render(
+            select(*_LOCK_COLUMNS, _L.token, self.now.label("now")).where(self.at_key)
+        )
+
+    def build_upsert(self) -> Insert:
+        """Insert the new row, or take over the existing one only if it expired."""
         ins = mysql.insert(lock_table).values(**self.row_values())
         expired = _L.expires_at <= self.now
-        self.upsert = ins.on_duplicate_key_update(
+        return ins.on_duplicate_key_update(
             [(name, func.if_(expired, ins.inserted[name], _L[name])) for name in self._ASSIGNED]
         )
-        self.holder = select(*_LOCK_COLUMNS, _L.token, self.now.label("now")).where(self.at_key)
 
     def build_insert_or_keep(self, values: dict[str, Any]) -> Insert:
         # ON DUPLICATE KEY takes an exclusive record lock on the existing row
         # (never a gap lock), so it cannot deadlock with another insert.
         return mysql.insert(lock_table).values(**values).on_duplicate_key_update(key=_L.key)
 
-    def build_mark_revoked(self) -> Executable:
+    def build_mark_revoked(self) -> Insert:
         ins = mysql.insert(revoked_table).values(**self.marker_values())
         return ins.on_duplicate_key_update(
             expires_at=func.greatest(_R.expires_at, ins.inserted.expires_at)
         )
 
-    def acquire(self, conn: Connection, params: dict[str, Any]) -> Row[Any] | None:
+    def acquire(self, run: _Runner, params: dict[str, Any]) -> Any:
         for _ in range(_RACE_RETRIES):
-            conn.execute(self.upsert, params)
-            row = conn.execute(self.holder, params).first()
+            run(self.upsert, params)
+            row = run(self.holder, params).first()
             if row is not None and row.token == params["b_token"]:
                 return None
             if row is not None and row.expires_at > row.now:
@@ -692,25 +806,28 @@ class _MySQL(_Transactional):
 class _MariaDB(_MySQL):
     """MariaDB ≥ 10.5: an upsert returns the row, so acquire is one statement."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, dialect: Dialect, schema_map: SchemaMap = None) -> None:
+        super().__init__(dialect, schema_map)
         returned = (*_LOCK_COLUMNS, _L.token, self.now.label("now"))
-        self.upsert_returning = self.upsert.returning(*returned)
-        self.insert_or_keep_returning = self.insert_or_keep.returning(*returned)
+        self.upsert_returning = self.render(self.build_upsert().returning(*returned))
+        self.insert_or_keep_returning = self.render(
+            self.build_insert_or_keep(self.row_values()).returning(*returned)
+        )
 
-    def acquire(self, conn: Connection, params: dict[str, Any]) -> Row[Any] | None:
-        row = conn.execute(self.upsert_returning, params).one()
+    def acquire(self, run: _Runner, params: dict[str, Any]) -> Any:
+        row = run(self.upsert_returning, params).one()
         return None if row.token == params["b_token"] else row
 
-    def hold(self, conn: Connection, params: dict[str, Any]) -> Row[Any]:
-        return conn.execute(self.insert_or_keep_returning, params).one()
+    def hold(self, run: _Runner, params: dict[str, Any]) -> Any:
+        return run(self.insert_or_keep_returning, params).one()
 
 
 def _fetch_all(
-    statement: str, params: dict[str, Any], dialect: _Dialect, conn: Connection
-) -> Sequence[Row[Any]]:
+    statement: str, params: dict[str, Any], dialect: _Dialect, run: _Runner
+) -> Sequence[Any]:
     """Run one of ``dialect``'s statements and fetch every row."""
-    return conn.execute(getattr(dialect, statement), params).fetchall()
+    rendered: _Statement = getattr(dialect, statement)
+    return run(rendered, params).rows
 
 
 def _like_prefix(prefix: str) -> str:
@@ -726,31 +843,32 @@ def _contention(key: str) -> StoreContention:
 
 
 @contextmanager
-def _transaction(conn: Connection, begin: str) -> Iterator[None]:
+def _transaction(run: _Runner, begin: str) -> Iterator[None]:
     """An explicit transaction on an autocommit connection."""
-    conn.exec_driver_sql(begin)
+    run.sql(begin)
     try:
         yield
     except BaseException:
         with suppress(DBAPIError):
-            conn.exec_driver_sql("ROLLBACK")
+            run.sql("ROLLBACK")
         raise
-    conn.exec_driver_sql("COMMIT")
+    run.sql("COMMIT")
 
 
 def _pick_dialect(engine: Engine) -> _Dialect:
     dialect = engine.dialect
     version = dialect.server_version_info or ()
+    schema_map = engine.get_execution_options().get("schema_translate_map")
     if dialect.name == "postgresql":
-        return _Postgres()
+        return _Postgres(dialect, schema_map)
     if dialect.name == "sqlite":
         if tuple(version) < (3, 35):
             raise ImproperlyConfigured(E_OLD_SQLITE.format(version=".".join(map(str, version))))
-        return _SQLite()
+        return _SQLite(dialect, schema_map)
     if dialect.name in ("mysql", "mariadb"):
         if getattr(dialect, "is_mariadb", False) and tuple(version) >= (10, 5):
-            return _MariaDB()
-        return _MySQL()
+            return _MariaDB(dialect, schema_map)
+        return _MySQL(dialect, schema_map)
     raise ImproperlyConfigured(
         f"The SQL lock store supports PostgreSQL, MySQL/MariaDB and SQLite, not {dialect.name}"
     )

@@ -7,20 +7,23 @@ Races under load are in ``test_sql_contention.py``.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import sys
 import time
 import types
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
 import psycopg
+import pymysql
 import pytest
 from celery import Celery
 from celery.exceptions import ImproperlyConfigured as CeleryImproperlyConfigured
+from celery.exceptions import SoftTimeLimitExceeded
 from sqlalchemy import (
     BigInteger,
     Column,
@@ -28,6 +31,7 @@ from sqlalchemy import (
     MetaData,
     String,
     Table,
+    create_engine,
     event,
     func,
     inspect,
@@ -74,7 +78,10 @@ def sql_store(request: pytest.FixtureRequest) -> SQLStore:
 
 @contextmanager
 def statements(store: SQLStore) -> Iterator[list[str]]:
-    """Record every statement the store's engine sends while the block runs."""
+    """Record every statement the store's engine sends while the block runs.
+
+    A cursor listener: the store then runs its statements through SQLAlchemy.
+    """
     sent: list[str] = []
 
     def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
@@ -85,6 +92,61 @@ def statements(store: SQLStore) -> Iterator[list[str]]:
         yield sent
     finally:
         event.remove(store.engine, "before_cursor_execute", record)
+
+
+@contextmanager
+def driver_statements(store: SQLStore) -> Iterator[list[str]]:
+    """Record every statement the store's driver runs, with no engine listener.
+
+    Nothing observes the engine, so the store runs its statements on the
+    DBAPI connection itself; they are recorded below SQLAlchemy: at the
+    driver's cursor (psycopg, PyMySQL) or by SQLite's trace callback.
+    """
+    assert not sql._observed(store.engine)
+    sent: list[str] = []
+    if store.engine.dialect.name == "sqlite":
+
+        def trace(dbapi_connection: Any, *args: Any) -> None:
+            dbapi_connection.set_trace_callback(sent.append)
+
+        def untrace(dbapi_connection: Any, *args: Any) -> None:
+            dbapi_connection.set_trace_callback(None)
+
+        # Pool events, not statement events: the store still skips SQLAlchemy.
+        event.listen(store.engine, "checkout", trace)
+        event.listen(store.engine, "checkin", untrace)
+        try:
+            yield sent
+        finally:
+            event.remove(store.engine, "checkout", trace)
+            event.remove(store.engine, "checkin", untrace)
+        return
+    cursor_class: Any = (
+        psycopg.Cursor if store.engine.dialect.name == "postgresql" else pymysql.cursors.Cursor
+    )
+    execute = cursor_class.execute
+
+    def record(cursor: Any, query: Any, *args: Any, **kwargs: Any) -> Any:
+        sent.append(str(query))
+        return execute(cursor, query, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cursor_class, "execute", record)
+        yield sent
+
+
+Recorder = Callable[[SQLStore], AbstractContextManager[list[str]]]
+
+
+@pytest.fixture(params=["sqlalchemy", "driver"])
+def recorded(request: pytest.FixtureRequest) -> Recorder:
+    """Each way the store runs statements in turn, with a recorder that sees it.
+
+    ``sqlalchemy``: an engine listener is registered, so statements go
+    through SQLAlchemy; ``driver``: nothing observes the engine, so they go
+    to the DBAPI connection directly.
+    """
+    return statements if request.param == "sqlalchemy" else driver_statements
 
 
 def row_count(store: SQLStore) -> int:
@@ -101,20 +163,21 @@ def is_mariadb(store: SQLStore) -> bool:
 # -- one statement per operation --------------------------------------------
 
 
-def test_one_statement_per_operation(sql_store: SQLStore) -> None:
+def test_one_statement_per_operation(sql_store: SQLStore, recorded: Recorder) -> None:
     """Acquire, duplicate, release, extend, get, start check and unrevoke send one statement each.
 
-    A duplicate on SQLite sends two (in process, no round trip).
+    A duplicate on SQLite sends two (in process, no round trip). Both ways
+    of running statements send the same ones.
     """
     sql_store.get("warm-up")
-    with statements(sql_store) as sent:
+    with recorded(sql_store) as sent:
         assert sql_store.acquire("k", "owner-a", 30, META) is None
     assert len(sent) == 1
     upsert = sent[0].upper()
     assert "ON CONFLICT" in upsert or "ON DUPLICATE KEY UPDATE" in upsert
     assert "RETURNING" in upsert
 
-    with statements(sql_store) as sent:
+    with recorded(sql_store) as sent:
         holder = sql_store.acquire("k", "owner-b", 30, META)
     assert holder is not None and holder.owner == "owner-a"
     # SQLite cannot return the row its upsert left alone; it reads it in
@@ -138,14 +201,16 @@ def test_one_statement_per_operation(sql_store: SQLStore) -> None:
         (lambda: sql_store.unrevoke("k2", "owner-a"), lambda r: r is None),
     ]
     for operation, expected in checks:
-        with statements(sql_store) as sent:
+        with recorded(sql_store) as sent:
             result = operation()
         assert expected(result), result
         assert len(sent) == 1, sent
 
 
 @pytest.mark.postgres
-def test_every_operation_is_one_statement_on_postgres(store_postgres: StoreCase) -> None:
+def test_every_operation_is_one_statement_on_postgres(
+    store_postgres: StoreCase, recorded: Recorder
+) -> None:
     """On PostgreSQL every start-check outcome, revoke and take-over is one statement."""
     store = store_postgres.store
     assert isinstance(store, SQLStore)
@@ -165,7 +230,7 @@ def test_every_operation_is_one_statement_on_postgres(store_postgres: StoreCase)
         (lambda: store.take_over("new", "owner-c", 30, META) is None, True),
     ]
     for operation, expected in operations:
-        with statements(store) as sent:
+        with recorded(store) as sent:
             assert operation() == expected
         assert len(sent) == 1, sent
 
@@ -177,7 +242,7 @@ TRANSACTIONAL_STORES = [
 
 
 @pytest.mark.parametrize("sql_store", TRANSACTIONAL_STORES, indirect=True)
-def test_transaction_shapes(sql_store: SQLStore) -> None:
+def test_transaction_shapes(sql_store: SQLStore, recorded: Recorder) -> None:
     """On SQLite and MySQL/MariaDB take-over, revoke and the rarer start checks are transactions.
 
     Each locks the key's row first: take-over and the start check with an
@@ -186,7 +251,7 @@ def test_transaction_shapes(sql_store: SQLStore) -> None:
     mariadb = is_mariadb(sql_store)
 
     def shape(operation: Callable[[], Any]) -> list[str]:
-        with statements(sql_store) as sent:
+        with recorded(sql_store) as sent:
             operation()
         return [s.split()[0].upper() for s in sent]
 
@@ -210,13 +275,160 @@ def test_transaction_shapes(sql_store: SQLStore) -> None:
     ]
 
 
-def test_tables_checked_once_per_store(sql_store: SQLStore) -> None:
+def test_tables_checked_once_per_store(sql_store: SQLStore, recorded: Recorder) -> None:
     """After the first use, no operation inspects or creates tables again."""
-    with statements(sql_store) as sent:
+    with recorded(sql_store) as sent:
         for i in range(5):
             assert sql_store.acquire(f"k{i}", "owner-a", 30, META) is None
     assert len(sent) == 5
     assert not any("CREATE" in s.upper() or "INFORMATION_SCHEMA" in s.upper() for s in sent)
+
+
+# -- how statements are run -------------------------------------------------
+
+
+def _every_operation(store: SQLStore, tag: str) -> None:
+    """Each operation of the store once, on keys under ``tag``, checking its answer."""
+    assert store.acquire(f"{tag}:a", "owner-a", 30, META) is None
+    holder = store.acquire(f"{tag}:a", "owner-b", 30, META)
+    assert holder is not None and holder.owner == "owner-a" and holder.task_id == "id-a"
+    assert store.extend(f"{tag}:a", "owner-a", 60) is True
+    lock = store.get(f"{tag}:a")
+    assert lock is not None and not lock.started and 30 < lock.ttl <= 60
+    claim = store.claim(f"{tag}:a", "owner-a", release=False, ttl=30, meta=META)
+    assert claim.outcome is ClaimOutcome.OWNED
+    assert store.settle(f"{tag}:a", "owner-a") is True
+    assert store.revoke(f"{tag}:a", "owner-a", 60) is RevokeOutcome.RELEASED
+    store.unrevoke(f"{tag}:a", "owner-a")
+    claim = store.claim(f"{tag}:b", "owner-c", release=False, ttl=30, meta=META)
+    assert claim.outcome is ClaimOutcome.FREE
+    previous = store.take_over(f"{tag}:b", "owner-d", 30, META)
+    assert previous is not None and previous.owner == "owner-c" and previous.started
+    assert [lock.owner for lock in store.scan(f"{tag}:")] == ["owner-d"]
+    assert store.release(f"{tag}:b", "owner-d") is True
+    counted = store.read_counts(tag).get(("tests.add", "acquired"), 0)
+    store.add_counts(tag, {("tests.add", "acquired"): 2})
+    assert store.read_counts(tag) == {("tests.add", "acquired"): counted + 2}
+    assert store.purge_expired() == 0
+
+
+def test_both_ways_send_the_same_statements(sql_store: SQLStore) -> None:
+    """On the DBAPI connection or through SQLAlchemy, every operation sends the same SQL."""
+    _every_operation(sql_store, "warm")
+    with driver_statements(sql_store) as direct:
+        _every_operation(sql_store, "direct")
+    with statements(sql_store) as through_sqlalchemy:
+        _every_operation(sql_store, "direct")  # the same keys, so the same answers
+    assert len(direct) >= 17
+    if sql_store.engine.dialect.name == "sqlite":
+        # The trace callback shows the SQL with its values inlined.
+        assert [s.split()[0] for s in direct] == [s.split()[0] for s in through_sqlalchemy]
+    else:
+        assert direct == through_sqlalchemy
+
+
+def test_sql_logging_sees_every_statement(
+    sql_store: SQLStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With SQLAlchemy's SQL log on, the store's statements go through SQLAlchemy and are logged."""
+    sql_store.get("warm-up")
+    caplog.set_level(logging.INFO, logger="sqlalchemy.engine.Engine")
+    assert sql_store.acquire("logged", "owner-a", 30, META) is None
+    logged = [r.getMessage() for r in caplog.records if r.name.startswith("sqlalchemy.engine")]
+    assert any("INSERT INTO celery_dedup_sql_lock" in message for message in logged), logged
+
+
+SERVER_STORES = [
+    pytest.param("store_postgres", marks=pytest.mark.postgres, id="postgres"),
+    pytest.param("store_mysql", marks=pytest.mark.mysql, id="mysql"),
+]
+#: How an administrator ends another session, and how to see that it ended.
+KILL = {
+    "postgresql": ("SELECT pg_terminate_backend({id})",
+                   "SELECT count(*) FROM pg_stat_activity WHERE pid = {id}"),
+    "mysql": ("KILL {id}", "SELECT count(*) FROM information_schema.PROCESSLIST WHERE ID = {id}"),
+}
+
+
+@pytest.mark.parametrize("sql_store", SERVER_STORES, indirect=True)
+def test_dropped_connections_cost_one_call(sql_store: SQLStore) -> None:
+    """Server-side sessions killed under a pool of two: one call fails, the next reconnects.
+
+    The failing call is ``StoreUnavailable``; the other pooled connection is
+    discarded with the dead one, as SQLAlchemy does, so it fails no call.
+    """
+    name = sql_store.engine.dialect.name
+    assert sql_store.acquire("k", "owner-a", 30, META) is None
+    with sql_store.engine.connect() as first, sql_store.engine.connect() as second:
+        sessions = [c.exec_driver_sql(SESSION_ID[name]).scalar() for c in (first, second)]
+    assert sql_store.engine.pool.checkedin() == 2  # type: ignore[attr-defined]
+    kill, alive = KILL[name]
+    admin = create_engine(sql_store.url, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            for session in sessions:
+                conn.exec_driver_sql(kill.format(id=session))
+            deadline = time.monotonic() + 10
+            while any(conn.exec_driver_sql(alive.format(id=s)).scalar() for s in sessions):
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+    finally:
+        admin.dispose()
+    with pytest.raises(StoreUnavailable) as info:
+        sql_store.get("k")
+    assert info.value.__cause__ is not None
+    lock = sql_store.get("k")
+    assert lock is not None and lock.owner == "owner-a"
+    assert sql_store.release("k", "owner-a") is True
+
+
+class Interrupted(BaseException):
+    """Stands for an interruption that is not an ``Exception`` (``KeyboardInterrupt``, gevent)."""
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("interruption", [Interrupted, SoftTimeLimitExceeded])
+def test_connection_interrupted_mid_call_is_not_reused(
+    store_postgres: StoreCase, interruption: type[BaseException], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A connection interrupted inside the driver (a time limit…) never returns to the pool."""
+    store = store_postgres.store
+    assert isinstance(store, SQLStore)
+    store.get("warm-up")
+    with store.engine.connect() as conn:
+        before = conn.exec_driver_sql(SESSION_ID["postgresql"]).scalar()
+    execute = psycopg.Cursor.execute
+
+    def interrupted(cursor: Any, *args: Any, **kwargs: Any) -> Any:
+        execute(cursor, *args, **kwargs)
+        raise interruption()
+
+    with monkeypatch.context() as patch:
+        patch.setattr(psycopg.Cursor, "execute", interrupted)
+        with pytest.raises(interruption):
+            store.acquire("k", "owner-a", 30, META)
+    with store.engine.connect() as conn:
+        assert conn.exec_driver_sql(SESSION_ID["postgresql"]).scalar() != before
+    lock = store.get("k")  # the statement itself had run
+    assert lock is not None and lock.owner == "owner-a"
+
+
+def test_schema_translate_map_applies(tmp_path: Path) -> None:
+    """Statements are rendered once, with the engine's ``schema_translate_map``."""
+    store = SQLStore(
+        f"sqlite:///{tmp_path / 'locks.sqlite3'}",
+        engine_options={"execution_options": {"schema_translate_map": {None: "main"}}},
+    )
+    try:
+        store.create_tables()
+        with statements(store) as sent:
+            assert store.acquire("k", "owner-a", 30, META) is None
+            assert store.acquire("k", "owner-b", 30, META) is not None
+            assert store.release("k", "owner-a") is True
+        assert len(sent) == 4  # a duplicate on SQLite reads the holder in a second statement
+        assert all("main.celery_dedup_sql_lock" in statement for statement in sent), sent
+    finally:
+        store.close()
 
 
 # -- tables created on first use --------------------------------------------
