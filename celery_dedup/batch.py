@@ -80,6 +80,8 @@ def enqueue_many(
         except StoreUnavailable as exc:
             runtime.fall_back(BATCH_TASK_NAME, exc)
             store = None
+    if holder is not None and holder.owner == owner:
+        holder = None  # this call's own write, seen again by a re-sent command
     if holder is not None:
         runtime.metrics.incr(BATCH_TASK_NAME, "deduplicated")
         task_deduplicated.send(

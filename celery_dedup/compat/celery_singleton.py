@@ -244,7 +244,9 @@ class Singleton(DedupTask):
         config = self.dedup_config()
         meta = meta_for(self, task_id, config.unique_until)
         key = self._store_key(lock)
-        return self._store().acquire(key, new_token(), config.unique_for, meta) is None
+        token = new_token()
+        holder = self._store().acquire(key, token, config.unique_for, meta)
+        return holder is None or holder.owner == token  # (a re-sent command sees its own write)
 
     def unlock(self, lock: str) -> None:
         """Release ``lock`` (from ``generate_lock``), whoever holds it."""

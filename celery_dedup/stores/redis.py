@@ -11,6 +11,7 @@ by an earlier version as a hash ``{owner, task, policy, at, id?, st?}``.
 from __future__ import annotations
 
 import functools
+import re
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -80,6 +81,19 @@ end
 local function owns(v, o)
     return string.sub(v, 3, 2 + #o) == o and string.byte(v, 3 + #o) == 124
 end
+local function write(k, record, ttl, first)
+    if #ARGV < first then
+        redis.call('set', k, record, 'PX', ttl)
+        return
+    end
+    -- A key an earlier version made: its producers read a hash (fields from ARGV[first]).
+    redis.call('del', k)
+    redis.call('hset', k, unpack(ARGV, first))
+    if string.byte(record, 1) == 49 then
+        redis.call('hset', k, 'st', '1')
+    end
+    redis.call('pexpire', k, ttl)
+end
 local function holder(k, v, h)
     local pttl = redis.call('pttl', k)
     if h then
@@ -92,13 +106,14 @@ end
 # KEYS[1] - lock key
 # ARGV[1] - the record
 # ARGV[2] - ttl in milliseconds
+# ARGV[3..] - the hash fields to write instead, on a key of an earlier version
 # return nil when acquired, else the holder
 ACQUIRE = _PRELUDE + """
 local v, h = read(KEYS[1])
 if v then
     return holder(KEYS[1], v, h)
 end
-redis.call('set', KEYS[1], ARGV[1], 'PX', ARGV[2])
+write(KEYS[1], ARGV[1], ARGV[2], 3)
 return false
 """
 
@@ -148,15 +163,27 @@ return 1
 """
 
 # KEYS[1] - lock key
+# KEYS[2] - the holder this owner replaced, kept for a re-sent command (same hash slot)
 # ARGV[1..2] - as ACQUIRE
+# ARGV[3] - owner token (encoded)
 # return nil when the key was free, else the previous holder
 TAKE_OVER = _PRELUDE + """
 local v, h = read(KEYS[1])
+if v and owns(v, ARGV[3]) then
+    -- This owner's own write: the command was re-sent after its reply was
+    -- lost. Answer what the first run answered.
+    local kept = redis.call('get', KEYS[2])
+    if kept then
+        return cjson.decode(kept)
+    end
+    return false
+end
 local previous = false
 if v then
     previous = holder(KEYS[1], v, h)
+    redis.call('set', KEYS[2], cjson.encode(previous), 'PX', 60000)
 end
-redis.call('set', KEYS[1], ARGV[1], 'PX', ARGV[2])
+write(KEYS[1], ARGV[1], ARGV[2], 4)
 return previous
 """
 
@@ -166,6 +193,7 @@ return previous
 # ARGV[2] - "1" to release the owner's lock
 # ARGV[3] - ttl in milliseconds to take a free key with, or "" not to take it
 # ARGV[4] - the record to take it with (started)
+# ARGV[5..] - the hash fields to write instead, on a key of an earlier version
 # return {"revoked"}, {"owned"}, {"free"} or {"held", <holder>}
 CLAIM = _PRELUDE + """
 local v, h = read(KEYS[1])
@@ -192,7 +220,7 @@ if v then
     return held
 end
 if ARGV[3] ~= '' and ARGV[2] ~= '1' then
-    redis.call('set', KEYS[1], ARGV[4], 'PX', ARGV[3])
+    write(KEYS[1], ARGV[4], ARGV[3], 5)
 end
 return {'free'}
 """
@@ -291,6 +319,21 @@ def _base36(n: int) -> str:
     high, low = divmod(n, 36**4)
     a, b = divmod(low, 36**2)
     return _base36_high(high) + _PAIRS[a] + _PAIRS[b]
+
+
+#: A key an earlier version made ends in a 64-character sha256: producers not
+#: yet upgraded read its lock with HMGET, so a lock written there is a hash.
+_LEGACY_KEY = re.compile(r":[0-9a-f]{64}\Z")
+
+
+def _legacy_fields(key: str, owner: str, meta: LockMeta) -> list[Any]:
+    """The hash fields of a lock on a key of an earlier version (else nothing)."""
+    if _LEGACY_KEY.search(key) is None:
+        return []
+    return [
+        "owner", owner, "task", meta.get("task_name", ""), "policy", meta.get("policy", ""),
+        "at", int(time.time() * 1000), "id", meta.get("task_id", "") or owner,
+    ]
 
 
 def _task_of(key: str) -> str | None:
@@ -422,12 +465,12 @@ class RedisStore:
     def _k(self, key: str) -> str:
         return self.keyprefix + key
 
-    def _marker(self, key: str, owner: str) -> str:
-        """The revoked marker of ``owner`` on ``key``: a key in the lock's hash slot."""
+    def _marker(self, key: str, owner: str, kind: str = "revoked") -> str:
+        """The ``kind`` marker of ``owner`` on ``key``: a key in the lock's hash slot."""
         physical = self._k(key)
         opening = physical.find("{")
         tagged = opening >= 0 and physical.find("}", opening + 2) > opening
-        return (physical if tagged else "{" + physical + "}") + ":revoked:" + owner
+        return (physical if tagged else "{" + physical + "}") + f":{kind}:" + owner
 
     def _lock(self, key: str, raw: Sequence[Any] | None) -> Lock | None:
         """The holder a script returned, or None when the key was free.
@@ -448,7 +491,8 @@ class RedisStore:
     def acquire(self, key: str, owner: str, ttl: float, meta: LockMeta) -> Lock | None:
         """Take the lock, or return the holder (one EVALSHA)."""
         record = _pack(key, _enc(owner), meta, meta.get("started") == "1")
-        raw = self._run(self._acquire, [self._k(key)], [record, _ms(ttl)])
+        args = [record, _ms(ttl), *_legacy_fields(key, owner, meta)]
+        raw = self._run(self._acquire, [self._k(key)], args)
         return self._lock(key, raw)
 
     def release(self, key: str, owner: str) -> bool:
@@ -461,8 +505,11 @@ class RedisStore:
 
     def take_over(self, key: str, owner: str, ttl: float, meta: LockMeta) -> Lock | None:
         """Make ``owner`` the holder; return the previous one (one EVALSHA)."""
-        record = _pack(key, _enc(owner), meta, False)
-        raw = self._run(self._take_over, [self._k(key)], [record, _ms(ttl)])
+        mine = _enc(owner)
+        record = _pack(key, mine, meta, False)
+        keys = [self._k(key), self._marker(key, owner, "replaced")]
+        args = [record, _ms(ttl), mine, *_legacy_fields(key, owner, meta)]
+        raw = self._run(self._take_over, keys, args)
         return self._lock(key, raw)
 
     def claim(
@@ -476,6 +523,7 @@ class RedisStore:
             "1" if release else "",
             "" if ttl is None else _ms(ttl),
             _pack(key, mine, meta, True) if take else "",
+            *(_legacy_fields(key, owner, meta) if take else ()),
         ]
         raw = self._run(self._claim, [self._k(key), self._marker(key, owner)], args)
         outcome = ClaimOutcome(_text(raw[0]))
@@ -555,7 +603,11 @@ def _decode(key: str, raw: Sequence[Any]) -> Lock | None:
     """A holder as the scripts return it: ``{pttl, record}`` or a hash's fields."""
     expires_at = time.time() + max(0, int(raw[0])) / 1000.0
     if len(raw) == 2:
-        fields = _unpack(key, _text(raw[1]))
+        try:
+            record = _text(raw[1])
+        except UnicodeDecodeError:
+            return None  # foreign bytes: not a record this library writes
+        fields = _unpack(key, record)
         if fields is None:
             return None
         owner, name, policy, at, task_id, started = fields
