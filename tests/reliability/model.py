@@ -353,7 +353,12 @@ class _Checker:
                 latest = min(latest, revoke.t1)
         for other in self.by_key[call.key]:
             if other is not h and other.call.replace and other.call.t0 > call.t1:
-                latest = min(latest, other.call.t1)
+                # A retry published after the replace began may take the
+                # key again (free once the replacement released): that
+                # hold is the retry's, not ended by this replace.
+                retook = any(e.outcome == "retry" and e.t > other.call.t0 for e in h.of("end"))
+                if not retook:
+                    latest = min(latest, other.call.t1)
         return latest
 
     def _revoked_holding(self, revoke: Revoke) -> Holding | None:
