@@ -1,13 +1,14 @@
-"""Lua scripts run on a per-thread connection, outside redis-py's per-command machinery.
+"""Lua scripts run on the store's own connections, outside redis-py's per-command machinery.
 
 A lock operation is one ``EVALSHA`` on the hot path of every enqueue and
 every executed task. Through ``Redis.execute_command`` each one also checks
 a connection out of the pool and back, records observability metrics and
 dispatches events: about as much CPU as the round trip itself. ``ScriptWire``
-keeps one connection per thread (per process: a forked child opens its own)
-built from the client pool's own connection class and arguments, so TLS,
-Sentinel master discovery, credentials, timeouts, health checks and the
-client's retry policy all still apply.
+keeps its own stack of idle connections (a thread takes one, runs its
+command and puts it back; a forked child starts with none), built from the
+client pool's own connection class and arguments, so TLS, Sentinel master
+discovery, credentials, timeouts, health checks and the client's retry
+policy all still apply.
 """
 
 from __future__ import annotations
@@ -26,59 +27,69 @@ __all__ = ["ScriptWire"]
 
 
 class ScriptWire:
-    """Runs registered Lua scripts of one Redis client on per-thread connections."""
+    """Runs registered Lua scripts of one Redis client on connections of its own."""
 
     def __init__(self, client: Any) -> None:
         self._pool = client.connection_pool
-        self._local = threading.local()
-        #: every connection opened, to close them all in ``close()``
+        self._mutex = threading.Lock()
+        self._pid = os.getpid()
+        #: connections not in use; list.pop/append are atomic, so no lock
+        self._idle: list[Any] = []
+        #: every connection opened in this process, to close them in ``close()``
         self._opened: weakref.WeakSet[Any] = weakref.WeakSet()
-        self._loaded: dict[str, str] = {}
 
-    def _connection(self) -> Any:
-        local = self._local
-        pid = os.getpid()
-        if getattr(local, "pid", None) != pid:
-            # A child of fork() never writes to its parent's socket.
+    def _checkout(self) -> Any:
+        if self._pid != os.getpid():
+            with self._mutex:
+                if self._pid != os.getpid():
+                    # A child of fork() never writes to its parent's sockets
+                    # (nor closes them: the parent still uses them).
+                    self._idle, self._opened = [], weakref.WeakSet()
+                    self._pid = os.getpid()
+        try:
+            return self._idle.pop()
+        except IndexError:
             pool = self._pool
-            local.connection = pool.connection_class(**pool.connection_kwargs)
-            local.pid = pid
-            self._opened.add(local.connection)
-        return local.connection
+            connection = pool.connection_class(**pool.connection_kwargs)
+            self._opened.add(connection)
+            return connection
 
     def evalsha(self, sha: str, script: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
         """``EVALSHA sha`` (loading ``script`` once if the server lacks it); one round trip."""
-        connection = self._connection()
         command = ("EVALSHA", sha, len(keys), *keys, *args)
+        connection = self._checkout()
         try:
-            return self._call(connection, command)
-        except NoScriptError:
-            # A restarted or flushed server: load the script, then run it once more.
-            self._call(connection, ("SCRIPT", "LOAD", script))
-            return self._call(connection, command)
-
-    @staticmethod
-    def _call(connection: Any, command: tuple[Any, ...]) -> Any:
-        def send() -> Any:
-            _ready(connection)
-            connection.send_command(*command)
-            return connection.read_response()
-
-        try:
-            return connection.retry.call_with_retry(send, lambda _error: connection.disconnect())
-        except ResponseError:
-            raise  # the server answered: the connection is in a clean state
-        except BaseException:
-            # A half-read reply must never be read as the next command's.
-            connection.disconnect()
-            raise
+            try:
+                return _call(connection, command)
+            except NoScriptError:
+                # A restarted or flushed server: load the script, run it once more.
+                _call(connection, ("SCRIPT", "LOAD", script))
+                return _call(connection, command)
+        finally:
+            # Also after an error: _call left it disconnected or clean, and a
+            # disconnected connection reconnects on its next use.
+            self._idle.append(connection)
 
     def close(self) -> None:
-        """Disconnect every connection this wire opened (any thread's)."""
+        """Disconnect every connection this wire opened in this process."""
         for connection in list(self._opened):
             connection.disconnect()
-        self._opened.clear()
-        self._local = threading.local()
+
+
+def _call(connection: Any, command: tuple[Any, ...]) -> Any:
+    def send() -> Any:
+        _ready(connection)
+        connection.send_command(*command)
+        return connection.read_response()
+
+    try:
+        return connection.retry.call_with_retry(send, lambda _error: connection.disconnect())
+    except ResponseError:
+        raise  # the server answered: the connection is in a clean state
+    except BaseException:
+        # A half-read reply must never be read as the next command's.
+        connection.disconnect()
+        raise
 
 
 def _ready(connection: Any) -> None:

@@ -123,33 +123,47 @@ def test_scripts_flushed_from_the_server_are_loaded_again(
     assert raw.exists("flushed") == 0
 
 
-def test_close_disconnects_every_threads_connection(
-    redis_server: RedisServer, raw: redis.Redis
-) -> None:
+def test_close_disconnects_every_connection(redis_server: RedisServer, raw: redis.Redis) -> None:
     app = Celery("wire-close", broker="memory://", set_as_current=False)
     store = RedisStore.from_url(redis_server.url(DB), app=app)
-    store.client.client_setname("wire-close")  # the pool's own connection, named apart
 
     def clients() -> int:
         return sum(1 for c in raw.client_list() if c.get("db") == str(DB))
 
     before = clients()
-    used, done = threading.Barrier(5), threading.Event()
+    inside, done = threading.Barrier(5), threading.Event()
 
-    def use_and_wait(n: int) -> None:  # alive (its connection too) until done
+    def hold_a_connection(n: int) -> None:
+        # Four commands in flight at once need four connections.
         store.get(f"k{n}")
-        used.wait()
+        inside.wait()
         done.wait()
 
-    threads = [threading.Thread(target=use_and_wait, args=(n,)) for n in range(4)]
+    threads = [threading.Thread(target=hold_a_connection, args=(n,)) for n in range(4)]
     for thread in threads:
         thread.start()
-    used.wait()
+    inside.wait()
     store.get("main-thread")
-    assert clients() >= before + 5
+    assert clients() > before
     store.close()
     assert clients() <= before
     done.set()
     for thread in threads:
         thread.join()
+    assert store.get("after-close") is None  # reconnects on next use
+    store.close()
     app.close()
+
+
+def test_short_lived_threads_reuse_connections(store: RedisStore, raw: redis.Redis) -> None:
+    """A thread per request (a dev server, a pool that recycles threads) opens no socket each."""
+    def clients() -> int:
+        return sum(1 for c in raw.client_list() if c.get("db") == str(DB))
+
+    store.get("warm")
+    before = clients()
+    for n in range(100):
+        thread = threading.Thread(target=store.get, args=(f"k{n}",))
+        thread.start()
+        thread.join()
+    assert clients() <= before + 1
