@@ -325,6 +325,21 @@ class ArgumentBinder:
         return {name: arguments[name] for name in names}
 
 
+    def positional_identity(self, queue: str | None, args: Sequence[Any]) -> str | None:
+        """``identity`` of a call passing every parameter positionally as a plain scalar.
+
+        The common call (``task.delay(user_id, "name")``) in one step: the same
+        string ``identity`` returns, or ``None`` when the call is not of that
+        shape (the caller then takes the general path).
+        """
+        names = self._names
+        if names is None or self.unique_on is not None or len(args) != len(names):
+            return None
+        if not _plain_scalars(args):
+            return None
+        arguments = dict(zip(names, args, strict=True))
+        return _CANONICAL_ENCODER.encode(["strict", self.task_name, queue, arguments])
+
     def identity(
         self,
         queue: str | None,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import re
+import secrets
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -163,27 +164,34 @@ return 1
 """
 
 # KEYS[1] - lock key
-# KEYS[2] - the holder this owner replaced, kept for a re-sent command (same hash slot)
+# KEYS[2] - what this owner's last take-over answered, kept a minute for a
+#           re-sent command (same hash slot): "<nonce>|<holder as JSON>"
 # ARGV[1..2] - as ACQUIRE
 # ARGV[3] - owner token (encoded)
+# ARGV[4] - a nonce of this call (the same in a command re-sent after a lost reply)
+# ARGV[5..] - the hash fields to write instead, on a key of an earlier version
 # return nil when the key was free, else the previous holder
 TAKE_OVER = _PRELUDE + """
 local v, h = read(KEYS[1])
 if v and owns(v, ARGV[3]) then
-    -- This owner's own write: the command was re-sent after its reply was
-    -- lost. Answer what the first run answered.
     local kept = redis.call('get', KEYS[2])
-    if kept then
-        return cjson.decode(kept)
+    if kept and string.sub(kept, 1, #ARGV[4] + 1) == ARGV[4] .. '|' then
+        -- This very command, re-sent after its reply was lost: answer what
+        -- its first run answered (the holder it displaced, to be revoked).
+        local answer = string.sub(kept, #ARGV[4] + 2)
+        if answer == '' then
+            return false
+        end
+        return cjson.decode(answer)
     end
-    return false
 end
 local previous = false
 if v then
     previous = holder(KEYS[1], v, h)
-    redis.call('set', KEYS[2], cjson.encode(previous), 'PX', 60000)
 end
-write(KEYS[1], ARGV[1], ARGV[2], 4)
+redis.call('set', KEYS[2], ARGV[4] .. '|' .. (previous and cjson.encode(previous) or ''),
+           'PX', 60000)
+write(KEYS[1], ARGV[1], ARGV[2], 5)
 return previous
 """
 
@@ -508,7 +516,8 @@ class RedisStore:
         mine = _enc(owner)
         record = _pack(key, mine, meta, False)
         keys = [self._k(key), self._marker(key, owner, "replaced")]
-        args = [record, _ms(ttl), mine, *_legacy_fields(key, owner, meta)]
+        nonce = secrets.token_hex(6)
+        args = [record, _ms(ttl), mine, nonce, *_legacy_fields(key, owner, meta)]
         raw = self._run(self._take_over, keys, args)
         return self._lock(key, raw)
 
