@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import timedelta
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, cast
 
 from celery import Task
@@ -20,7 +21,7 @@ from .exceptions import (
     MissingDeduplicationKey,
     StoreUnavailable,
 )
-from .header import HEADER, NO_LOCK, LockHeader, new_token, read_header
+from .header import HEADER, NO_LOCK, LockHeader, new_token
 from .identity import (
     ArgumentBinder,
     Identity,
@@ -99,6 +100,8 @@ class TaskConfig:
 
     def resolve(self, given: Mapping[str, Any]) -> ResolvedOptions:
         """Apply one call's options (already validated) over the task's."""
+        if not given:
+            return self.default_call
         return ResolvedOptions(
             unique_for=given.get("unique_for", self.unique_for),
             unique_until=given.get("unique_until", self.unique_until),
@@ -106,6 +109,18 @@ class TaskConfig:
             on_duplicate=given.get("on_duplicate", self.on_duplicate),
             deterministic_id=given.get("deterministic_id", self.deterministic_id),
             deduplication_key=given.get("deduplication_key"),
+        )
+
+    @cached_property
+    def default_call(self) -> ResolvedOptions:
+        """The options of a call that passes none of its own (built once)."""
+        return ResolvedOptions(
+            unique_for=self.unique_for,
+            unique_until=self.unique_until,
+            identity=self.identity,
+            on_duplicate=self.on_duplicate,
+            deterministic_id=self.deterministic_id,
+            deduplication_key=None,
         )
 
 
@@ -237,6 +252,17 @@ class DedupTask(_Task):
         (see ``routed_queue``), so every path computes the same key.
         """
         config = self.dedup_config()
+        if (
+            not kwargs
+            and call.deduplication_key is None
+            and call.identity is Identity.STRICT
+            and config.key_callable is None
+            and (serializer or config.serializer) == "json"
+        ):
+            queue_name = getattr(queue, "name", queue) or config.default_queue
+            material = config.binder.positional_identity(queue_name, args or ())
+            if material is not None:  # plain scalars: JSON delivers them unchanged
+                return lock_key(config.runtime.settings.key_prefix, self.name, material)
         try:
             args, kwargs = as_delivered(args, kwargs, serializer or config.serializer)
         except Exception:
@@ -276,12 +302,13 @@ class DedupTask(_Task):
         options: Mapping[str, Any],
         args: Sequence[Any] | None,
         kwargs: Mapping[str, Any] | None,
+        config: TaskConfig | None = None,
     ) -> tuple[str, dict[str, Any] | None]:
         """The routed queue's name, and the routed options when the routers ran."""
         queue = options.get("queue")
         if queue is not None:
             return str(getattr(queue, "name", queue)), None
-        config = self.dedup_config()
+        config = config or self.dedup_config()
         if not config.routed:
             return config.default_queue, None
         router: Any = self.app.amqp.router
@@ -309,7 +336,7 @@ class DedupTask(_Task):
         ``unique_for`` (``None``/``0`` publishes with no lock at all),
         ``unique_until``, ``on_duplicate``, ``identity`` and ``deterministic_id``.
         """
-        given = pop_call_options(options, self.name)
+        given = pop_call_options(options, self.name) if options else {}
         config = self.dedup_config()
 
         def publish(task_id: str, header: LockHeader) -> Any:
@@ -331,7 +358,7 @@ class DedupTask(_Task):
         if given.get("unique_for", ...) is None:
             return mark_result(publish(task_id or uuid(), NO_LOCK), None)
         call = config.resolve(given)
-        queue_name, routed = self._route(options, args, kwargs)
+        queue_name, routed = self._route(options, args, kwargs, config)
         if routed is not None:
             # send_task would run the routers again (a router may not be pure).
             options["router"] = _Routed(routed)
@@ -343,7 +370,7 @@ class DedupTask(_Task):
             return self._publish_native(call, key, queue_name, task_id, options, publish)
         if task_id is None:
             task_id = deterministic_task_id(key) if call.deterministic_id else uuid()
-        return self._publish_with_lock(call, key, task_id, args, kwargs, options, publish)
+        return self._publish_with_lock(config, call, key, task_id, args, kwargs, options, publish)
 
     def _publish_native(
         self,
@@ -370,6 +397,7 @@ class DedupTask(_Task):
 
     def _publish_with_lock(
         self,
+        config: TaskConfig,
         call: ResolvedOptions,
         key: str,
         task_id: str,
@@ -379,30 +407,26 @@ class DedupTask(_Task):
         publish: Callable[[str, LockHeader], Any],
     ) -> Any:
         """Take the lock (or take it over), then publish; or report the duplicate."""
-        runtime = self.dedup_config().runtime
+        runtime = config.runtime
         assert call.unique_for is not None
-        ttl = lock_ttl(call.unique_for, countdown=options.get("countdown"), eta=options.get("eta"))
+        countdown, eta = options.get("countdown"), options.get("eta")
+        ttl = lock_ttl(call.unique_for, countdown=countdown, eta=eta) if countdown or eta \
+            else call.unique_for
         canvas_key = call.deduplication_key is not None and _is_canvas(options)
         # A canvas has no single end its lock could be released at: a key
         # given to a chain or a group holds the canvas as one unit for unique_for.
         until = UniqueUntil.EXPIRY if canvas_key else call.unique_until
-        header = LockHeader(
-            key=key,
-            until=until,
-            unique_for=call.unique_for,
-            replace=call.on_duplicate is OnDuplicate.REPLACE,
-            token=new_token(),
-        )
-        owner = header.owner(task_id)
+        replaces = call.on_duplicate is OnDuplicate.REPLACE
+        owner = new_token()
         holder_id = str(options.get("group_id") or task_id) if canvas_key else task_id
-        meta = worker.meta_for(self, holder_id, until)
+        meta = {"task_name": self.name, "policy": until.value, "task_id": holder_id}
         previous: Lock | None = None
         holder: Lock | None = None
         try:
             store = runtime.store
             if store is None:
                 return self._publish_unlocked(None, key, task_id, publish)
-            if header.replace:
+            if replaces:
                 previous = self._take_over(store, key, owner, ttl, meta)
             else:
                 holder = store.acquire(key, owner, ttl, meta)
@@ -412,13 +436,17 @@ class DedupTask(_Task):
             # so it owns and releases such a lock; if nothing is published,
             # the lock is released as soon as the store answers.
             orphan = runtime.add_orphan(key, owner, ttl)
+            header = LockHeader(key, until, call.unique_for, replaces, owner)
             result = self._publish_unlocked(exc, key, task_id, publish, header)
             runtime.forget_orphan(orphan)
             return result
 
-        if holder is not None:
+        if holder is not None and holder.owner != owner:
+            # (A holder with this call's own token is this call's write, seen
+            # again by a client that re-sent the command after losing its reply.)
             return self._held(call, key, holder, task_id, args, kwargs, options, publish)
 
+        header = LockHeader(key, until, call.unique_for, replaces, owner)
         runtime.metrics.incr(self.name, "acquired")
         lock_acquired.send(
             sender=self, key=key, task_id=task_id, ttl=ttl, policy=header.until.value
@@ -565,16 +593,15 @@ class DedupTask(_Task):
         its body ran (wrong arity, an unserialisable argument) releases here.
         """
         owner = header.owner(task_id)
-        eager = bool(self.app.conf.task_always_eager)
         try:
             return publish(task_id, header)
         except BaseException:
-            if not (eager and worker.eager_body_started(owner)):
+            # (Only an eager call's body can have started: no conf lookup needed.)
+            if not worker.eager_body_started(owner):
                 worker.release(self, store, key, owner, task_id, "publish_failed")
             raise
         finally:
-            if eager:
-                worker.eager_body_started(owner)
+            worker.eager_body_started(owner)
 
     def _carries_chain_worker_side(self, options: Mapping[str, Any]) -> bool:
         return bool(options.get("chain")) and self.app.current_worker_task is not None
@@ -623,12 +650,13 @@ class DedupTask(_Task):
         runtime = self.dedup_config().runtime
         if duplicate_id == holder.task_id:
             duplicate_id = uuid()  # a deterministic id: the event needs its own uuid
-        logger.debug(
-            "celery-dedup: %s duplicate suppressed (key %s, ttl %.1fs)",
-            self.name,
-            key.rsplit(":", 1)[-1][:16],
-            holder.ttl,
-        )
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "celery-dedup: %s duplicate suppressed (key %s, ttl %.1fs)",
+                self.name,
+                key.rsplit(":", 1)[-1][:16],
+                holder.ttl,
+            )
         runtime.metrics.incr(self.name, "deduplicated")
         task_deduplicated.send(
             sender=self,
@@ -657,10 +685,9 @@ class DedupTask(_Task):
             holder.task_id,
             app=self.app,
             backend=self.backend,
-            task_name=self.name,
             deduplication_key=key,
             # The owner token is the holder's proof of ownership: never hand it out.
-            lock=replace(holder, owner=""),
+            lock=holder.without_owner(),
             duplicate_id=duplicate_id,
         )
 
@@ -682,6 +709,16 @@ class DedupTask(_Task):
 
     # -- worker-side hooks -------------------------------------------------
 
+    #: The worker's request class: it guards a message without the header and
+    #: releases on a hard time limit (a subclass of it keeps both; any other
+    #: class gets them from a ``task_received`` receiver instead).
+    Request = "celery_dedup.worker:DedupRequest"
+
+    def start_strategy(self, app: Any, consumer: Any, **kwargs: Any) -> Any:
+        """The worker builds this task's message handler: check its ``Request`` class."""
+        worker.prepare_strategy(self)
+        return super().start_strategy(app, consumer, **kwargs)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the body under the start claim; release per policy before the result is stored.
 
@@ -691,7 +728,7 @@ class DedupTask(_Task):
         request = self.request
         if request.called_directly:
             return super().__call__(*args, **kwargs)
-        held = worker.claim_at_start(self, str(request.id), args, kwargs)
+        held = worker.claim_at_start(self, str(request.id), args, kwargs, request)
         if held is None:
             return super().__call__(*args, **kwargs)
         request.dedup_held = held  # type: ignore[attr-defined]  # seen by on_replace
@@ -715,7 +752,11 @@ class DedupTask(_Task):
         return retval
 
     def on_failure(self, exc: Exception, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
-        """A hard time limit (worker main process): release ``finish`` locks from there."""
+        """A hard time limit seen by a ``task_received`` receiver: release from the main process.
+
+        Only for a ``Request`` class of the task's own; ``DedupRequest``
+        releases by itself, before the failure is stored.
+        """
         if self.request.id != task_id:
             worker.release_from_main_process(self, task_id, args, kwargs, worker.Outcome.FAILURE)
         super().on_failure(exc, task_id, args, kwargs, einfo)
@@ -740,10 +781,7 @@ class DedupTask(_Task):
         """The ``celery_dedup`` header of the running request ``task_id``."""
         request = self.request
         if request.id == task_id:
-            found = read_header(request.headers) or read_header(
-                {HEADER: getattr(request, HEADER, None)}
-            )
-            return found
+            return worker.header_of(request)
         return worker.header_from_main_process(task_id)
 
 

@@ -23,9 +23,11 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from celery import states
-from celery.exceptions import Ignore
+from celery.exceptions import Ignore, TimeLimitExceeded
 from celery.signals import task_received, task_revoked
+from celery.utils.imports import symbol_by_name
 from celery.worker.control import control_command
+from celery.worker.request import Request
 from kombu.serialization import registry  # type: ignore[attr-defined]
 
 from .exceptions import StoreUnavailable
@@ -33,9 +35,10 @@ from .header import HEADER, LockHeader, new_token, read_header
 from .identity import deterministic_task_id
 from .policy import UniqueUntil, lock_ttl
 from .signals import lock_acquired, lock_released, task_skipped
-from .stores.base import ClaimOutcome, Lock, LockStore
+from .stores.base import Claim, ClaimOutcome, Lock, LockStore
 
 if TYPE_CHECKING:
+    from .metrics import Metrics
     from .task import DedupTask
 
 __all__ = [
@@ -101,6 +104,8 @@ class Held:
     task_id: str
     #: set when the lock passed to a replacement (``self.replace()``)
     handed_over: bool = False
+    #: where the release is counted (the task's, resolved once at the start)
+    metrics: Metrics | None = None
 
 
 def short(key: str) -> str:
@@ -109,7 +114,13 @@ def short(key: str) -> str:
 
 
 def release(
-    task: DedupTask, store: LockStore, key: str, owner: str, task_id: str, reason: str
+    task: DedupTask,
+    store: LockStore,
+    key: str,
+    owner: str,
+    task_id: str,
+    reason: str,
+    metrics: Metrics | None = None,
 ) -> bool:
     """Owner-checked release; a store outage is logged, never raised (the TTL bounds it)."""
     try:
@@ -124,14 +135,20 @@ def release(
         )
         return False
     if released:
-        _count_release(task, key, task_id, reason)
+        _count_release(task, key, task_id, reason, metrics)
     return released
 
 
-def _count_release(task: DedupTask, key: str, task_id: str, reason: str) -> None:
-    task.dedup_config().runtime.metrics.incr(task.name, "released")
-    lock_released.send(sender=task, key=key, task_id=task_id, reason=reason)
-    logger.debug("celery-dedup: released %s of %s[%s] (%s)", short(key), task.name, task_id, reason)
+def _count_release(
+    task: DedupTask, key: str, task_id: str, reason: str, metrics: Metrics | None = None
+) -> None:
+    (metrics or task.dedup_config().runtime.metrics).incr(task.name, "released")
+    if lock_released.receivers:
+        lock_released.send(sender=task, key=key, task_id=task_id, reason=reason)
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug(
+            "celery-dedup: released %s of %s[%s] (%s)", short(key), task.name, task_id, reason
+        )
 
 
 def meta_for(task: DedupTask, task_id: str, until: UniqueUntil) -> dict[str, str]:
@@ -306,19 +323,24 @@ def guard_token(task: DedupTask, task_id: str) -> str:
     return GUARD_PREFIX + digest[:32]
 
 
-def claim_at_start(task: DedupTask, task_id: str, args: Any, kwargs: Any) -> Held | None:
+def claim_at_start(
+    task: DedupTask, task_id: str, args: Any, kwargs: Any, request: Any = None
+) -> Held | None:
     """The start check: one round trip that confirms this message still owns its lock.
 
     Returns what the run holds (released at its end per policy), or ``None``
     when it holds nothing; raises ``Ignore`` (after recording the state) when
     the body must not run: another publish holds the key (replaced, or the
     lock expired and a newer call took it) or this publish was revoked.
+    ``request`` is the running request (``task.request`` when not given).
     """
-    request = task.request
-    store = task.dedup_config().runtime.store
+    if request is None:
+        request = task.request
+    runtime = task.dedup_config().runtime
+    store = runtime.store
     if store is None:
         return None
-    header = task.dedup_header(task_id)
+    header = header_of(request) if request.id == task_id else task.dedup_header(task_id)
     if header is None:
         if request.is_eager:
             return None  # task.apply() and eager canvas members: never went through a broker
@@ -326,53 +348,79 @@ def claim_at_start(task: DedupTask, task_id: str, args: Any, kwargs: Any) -> Hel
         header = guard_header(task, task_id, args, kwargs, queue)
         if header is None:
             return None
-    if header.key is None:
+    key = header.key
+    if key is None:
         return None
-    key, owner, until = header.key, header.owner(task_id), header.until
+    owner, until = header.owner(task_id), header.until
     if request.is_eager:
         # apply_async took this lock in this thread a moment ago: no claim needed.
         _eager_started().add(owner)
         if until is UniqueUntil.START:
-            release(task, store, key, owner, task_id, "start")
+            release(task, store, key, owner, task_id, "start", runtime.metrics)
             return None
-        return Held(store, header, key, owner, task_id)
+        return Held(store, header, key, owner, task_id, metrics=runtime.metrics)
     guarded = owner.startswith(GUARD_PREFIX)
     release_now = until is UniqueUntil.START
-    retake = guarded or until in (UniqueUntil.SUCCESS, UniqueUntil.FINISH)
+    retake = guarded or until is UniqueUntil.SUCCESS or until is UniqueUntil.FINISH
     try:
         claim = store.claim(
             key,
             owner,
             release=release_now,
             ttl=header.unique_for if retake else None,
-            meta=meta_for(task, task_id, until),
+            meta={"task_name": task.name, "policy": until.value, "task_id": task_id},
         )
     except StoreUnavailable as exc:
         # The message exists: running it unlocked loses nothing (fallback "open").
         logger.warning("celery-dedup: %s[%s] runs unchecked: %s", task.name, task_id, exc)
         return None
+    if claim.outcome is not ClaimOutcome.OWNED:
+        _not_owned(task, store, header, owner, task_id, claim, retake, runtime.metrics)
+    if release_now:
+        if claim.outcome is ClaimOutcome.OWNED:
+            _count_release(task, key, task_id, "start", runtime.metrics)
+        return None
+    if guarded:
+        _remember_guard(request, header)
+    return Held(store, header, key, owner, task_id, metrics=runtime.metrics)
+
+
+def _not_owned(
+    task: DedupTask,
+    store: LockStore,
+    header: LockHeader,
+    owner: str,
+    task_id: str,
+    claim: Claim,
+    retake: bool,
+    metrics: Metrics,
+) -> None:
+    """A start claim that did not find this message's own lock: skip, or count the retake."""
+    key = header.key
+    assert key is not None
     if header.replace and claim.outcome in (ClaimOutcome.REVOKED, ClaimOutcome.HELD):
         _defer_to_pending_replacement(task, store, key, owner, claim.holder)
     if claim.outcome is ClaimOutcome.REVOKED:
         _skip(task, task_id, key, None, "revoked")
     if claim.outcome is ClaimOutcome.HELD:
         holder = claim.holder
-        reason = "unannounced duplicate" if guarded else "held by another publish"
         if header.replace:
             reason = "replaced"
+        elif owner.startswith(GUARD_PREFIX):
+            reason = "unannounced duplicate"
+        else:
+            reason = "held by another publish"
         _skip(task, task_id, key, holder.task_id if holder else None, reason)
     if claim.outcome is ClaimOutcome.FREE and retake:
-        task.dedup_config().runtime.metrics.incr(task.name, "acquired")
+        metrics.incr(task.name, "acquired")
         lock_acquired.send(
-            sender=task, key=key, task_id=task_id, ttl=header.unique_for, policy=until.value
+            sender=task, key=key, task_id=task_id, ttl=header.unique_for, policy=header.until.value
         )
-    if release_now:
-        if claim.outcome is ClaimOutcome.OWNED:
-            _count_release(task, key, task_id, "start")
-        return None
-    if guarded:
-        _remember_guard(request, header)
-    return Held(store, header, key, owner, task_id)
+
+
+def header_of(request: Any) -> LockHeader | None:
+    """The ``celery_dedup`` header of a running request (a pool child's ``task.request``)."""
+    return read_header(request.headers) or read_header({HEADER: getattr(request, HEADER, None)})
 
 
 def _defer_to_pending_replacement(
@@ -421,7 +469,7 @@ def finish(task: DedupTask, held: Held, outcome: Outcome) -> None:
     if held.handed_over:
         return
     if outcome.releases(held.header.until):
-        release(task, held.store, held.key, held.owner, held.task_id, outcome.value)
+        release(task, held.store, held.key, held.owner, held.task_id, outcome.value, held.metrics)
         return
     try:
         held.store.settle(held.key, held.owner)
@@ -471,18 +519,27 @@ def header_from_main_process(task_id: str) -> LockHeader | None:
 def release_from_main_process(
     task: DedupTask, task_id: str, args: Any, kwargs: Any, outcome: Outcome
 ) -> None:
-    """A hard time limit: the pool child is gone; release per policy from here.
+    """A hard time limit of a request received by a ``task_received`` receiver.
+
+    Only for a task whose ``Request`` class is not a ``DedupRequest`` (which
+    releases by itself, before the failure is stored).
+    """
+    request = _received_request(task_id)
+    if request is not None:
+        release_killed_run(task, request, outcome)
+
+
+def release_killed_run(task: DedupTask, request: Any, outcome: Outcome) -> None:
+    """The pool child running ``request`` is gone: release per policy from the main process.
 
     A guard lock (``send_task``) is released too: the run it throttled was killed.
     """
-    request = _received_request(task_id)
-    if request is None:
-        return
     header = read_header(request.request_dict) or guard_header_of(task, request)
     store = task.dedup_config().runtime.store
     if header is None or header.key is None or store is None:
         return
     if _killed_run_releases(header, outcome):
+        task_id = str(request.id)
         release(task, store, header.key, header.owner(task_id), task_id, outcome.value)
 
 
@@ -495,21 +552,84 @@ def _killed_run_releases(header: LockHeader, outcome: Outcome) -> bool:
     return outcome.releases(header.until) or (header.token or "").startswith(GUARD_PREFIX)
 
 
-@task_received.connect(weak=False)
+def _guard_unannounced(task: DedupTask, request: Any) -> None:
+    """Give a message without the header (``send_task``) its guard header.
+
+    Computed in the main process, where the message's routing and content
+    type are known; it travels with the request to the pool child.
+    """
+    request_dict = request.request_dict
+    if not isinstance(request_dict.get(HEADER), Mapping):
+        header = guard_header_of(task, request)
+        if header is not None:
+            request_dict[HEADER] = header.encode()
+
+
+class DedupRequest(Request):
+    """The worker's request of a ``DedupTask`` message (``DedupTask.Request``).
+
+    Per message it costs one dict lookup: only a message without the header
+    gets work here (its guard). On a hard time limit it releases the lock
+    per policy before Celery stores the failure, so a ``result.get()`` that
+    returns means the lock is already released, as for any other ending.
+    """
+
+    def __init__(self, message: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(message, *args, **kwargs)
+        if type(self.request_dict.get(HEADER)) is not dict:  # else a header: nothing to do
+            task: Any = self.task
+            if hasattr(task, "dedup_config"):
+                _guard_unannounced(task, self)
+
+    def on_failure(
+        self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
+    ) -> None:
+        """The pool reports a hard time limit here first, then calls ``on_timeout``."""
+        exc = getattr(exc_info, "exception", None)
+        if not return_ok and isinstance(getattr(exc, "exc", exc), TimeLimitExceeded):
+            self._release_killed_run()
+        super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
+
+    def on_timeout(self, soft: bool, timeout: float) -> None:
+        """A hard time limit killed the pool child: release, then let Celery record it."""
+        if not soft:
+            self._release_killed_run()
+        super().on_timeout(soft, timeout)
+
+    def _release_killed_run(self) -> None:
+        from celery.worker import state as worker_state
+
+        task: Any = self.task
+        if getattr(worker_state, "should_terminate", None) or not hasattr(task, "dedup_config"):
+            return  # a cold shutdown records nothing either
+        if not getattr(self, "_dedup_released", False):
+            self._dedup_released = True
+            release_killed_run(task, self, Outcome.FAILURE)
+
+
 def _remember_request(sender: Any = None, request: Any = None, **_: Any) -> None:
+    """``task_received`` for a task whose ``Request`` class is not a ``DedupRequest``."""
     task: Any = getattr(request, "task", None)
-    if request is not None and hasattr(task, "dedup_config"):
-        if len(_received) > 1000:
-            for task_id in [k for k, v in _received.items() if not v]:
-                del _received[task_id]
-        _received.setdefault(request.id, weakref.WeakSet()).add(request)
-        if read_header(request.request_dict) is None:
-            # A message without the header (send_task): its guard is computed
-            # here, where the message's routing and content type are known,
-            # and travels with the request to the pool child.
-            header = guard_header_of(task, request)
-            if header is not None:
-                request.request_dict[HEADER] = header.encode()
+    if isinstance(request, DedupRequest) or not hasattr(task, "dedup_config"):
+        return
+    if len(_received) > 1000:
+        for task_id in [k for k, v in _received.items() if not v]:
+            del _received[task_id]
+    _received.setdefault(request.id, weakref.WeakSet()).add(request)
+    _guard_unannounced(task, request)
+
+
+def prepare_strategy(task: DedupTask) -> None:
+    """Called as the worker builds ``task``'s strategy (``DedupTask.start_strategy``).
+
+    A ``DedupTask`` keeps the default ``DedupRequest``, and then the worker
+    does nothing per received message for it. A task with a ``Request``
+    class of its own gets the same work done by a ``task_received``
+    receiver, connected only then (a receiver costs every message of every task).
+    """
+    request_class = symbol_by_name(task.Request)
+    if not (isinstance(request_class, type) and issubclass(request_class, DedupRequest)):
+        task_received.connect(_remember_request, weak=False, dispatch_uid="celery_dedup.received")
 
 
 @task_revoked.connect(weak=False)

@@ -15,13 +15,17 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from billiard.einfo import ExceptionInfo
 from celery import chord, group, states
-from celery.exceptions import Ignore
+from celery.exceptions import Ignore, TimeLimitExceeded
+from celery.signals import task_received
+from celery.utils.imports import symbol_by_name
 from kombu import Producer
 from kombu.exceptions import OperationalError
 
 import celery_dedup
 from celery_dedup import DedupTask, RevokeOutcome, dedup_key_for, inspect_lock, task_skipped
+from celery_dedup import worker as dedup_worker
 from celery_dedup.reaper import reap
 from tests.fixtures._servers import free_port
 from tests.fixtures.redis import RedisServer
@@ -655,13 +659,25 @@ def test_apply_runs_while_a_copy_is_queued(
     wait_until(lambda: lock_of(queued, app) is None)
 
 
+#: Celery's own request class, as a task of an application may name it
+CELERY_REQUEST = "celery.worker.request:Request"
+
+
+@pytest.mark.parametrize("request_class", [None, CELERY_REQUEST])
 def test_send_task_while_held_is_skipped_visibly(
-    app_factory: AppFactory, worker_for: Any, runs: Runs, skips: list[tuple[str, str]]
+    app_factory: AppFactory,
+    worker_for: Any,
+    runs: Runs,
+    skips: list[tuple[str, str]],
+    request_class: str | None,
 ) -> None:
-    """A header-less copy of a held call is skipped: state IGNORED, signal, lock untouched."""
+    """A header-less copy of a held call is skipped: state IGNORED, signal, lock untouched.
+
+    Also for a task with a ``Request`` class of its own (not ``DedupRequest``).
+    """
     app = app_factory("own-send-task")
 
-    job = recording_job(app, runs)
+    job = recording_job(app, runs, **({"Request": request_class} if request_class else {}))
 
     holder = job.apply_async((1,), countdown=1.5)
     before = lock_of(holder, app)
@@ -674,3 +690,68 @@ def test_send_task_while_held_is_skipped_visibly(
     assert holder.get(timeout=10) == 1
     assert runs.count() == 1
     wait_until(lambda: lock_of(holder, app) is None)
+
+
+# -- hard time limits in the worker's main process --------------------------------
+
+
+def received_request(app: Any, task: Any) -> Any:
+    """The next message of ``app``'s default queue as the worker's ``task.Request`` receives it."""
+    with app.connection_for_read() as conn:
+        queue = conn.SimpleQueue(app.conf.task_default_queue, no_ack=True)
+        message = queue.get(timeout=5)
+        queue.close()
+    request = symbol_by_name(task.Request)(message, app=app, task=task)
+    task_received.send(sender=None, request=request)
+    return request
+
+
+@pytest.mark.parametrize("request_class", [None, CELERY_REQUEST])
+def test_hard_time_limit_releases_in_the_main_process(
+    app_factory: AppFactory, runs: Runs, monkeypatch: pytest.MonkeyPatch, request_class: str | None
+) -> None:
+    """A hard time limit: the main process releases a 'finish' lock (the child is gone).
+
+    With ``DedupRequest`` (the default) the lock is gone before the failure
+    is stored, as after any other ending; a ``Request`` class of the task's
+    own releases it from ``on_failure``, just after.
+    """
+    app = app_factory("own-hard-limit")
+    options = {"Request": request_class} if request_class else {}
+    job = recording_job(app, runs, unique_until="finish", **options)
+    dedup_worker.prepare_strategy(job)  # what the worker does as it starts consuming
+    result = job.delay(1)
+    request = received_request(app, job)
+    at_store: list[Any] = []
+    store_failure = app.backend.mark_as_failure
+
+    def mark_as_failure(task_id: str, exc: Any, *args: Any, **kwargs: Any) -> Any:
+        at_store.append(lock_of(result, app))
+        return store_failure(task_id, exc, *args, **kwargs)
+
+    monkeypatch.setattr(app.backend, "mark_as_failure", mark_as_failure)
+    assert lock_of(result, app) is not None
+    # What the prefork pool does: fail the job, then call the timeout callback.
+    try:
+        raise TimeLimitExceeded(1.0)
+    except TimeLimitExceeded:
+        request.on_failure(ExceptionInfo())
+    request.on_timeout(False, 1.0)
+    assert state_of(app, result.id) == states.FAILURE
+    assert lock_of(result, app) is None
+    assert len(at_store) == 2
+    if request_class is None:
+        assert at_store == [None, None]
+    assert runs.count() == 0
+
+
+def test_only_a_request_class_of_its_own_costs_a_receiver(
+    app_factory: AppFactory, runs: Runs
+) -> None:
+    """A ``DedupTask`` adds no ``task_received`` receiver (it runs for any message)."""
+    task_received.disconnect(dispatch_uid="celery_dedup.received")
+    dedup_worker.prepare_strategy(recording_job(app_factory("own-receiver"), runs))
+    assert not task_received.has_listeners()
+    own = recording_job(app_factory("own-receiver-class"), runs, Request=CELERY_REQUEST)
+    dedup_worker.prepare_strategy(own)
+    assert task_received.has_listeners()
