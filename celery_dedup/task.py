@@ -251,7 +251,18 @@ class DedupTask(_Task):
         delivers them and on ``queue``, the queue the call is routed to
         (see ``routed_queue``), so every path computes the same key.
         """
-        config = self.dedup_config()
+        return self._key(self.dedup_config(), args, kwargs, call, queue, serializer)
+
+    def _key(
+        self,
+        config: TaskConfig,
+        args: Sequence[Any] | None,
+        kwargs: Mapping[str, Any] | None,
+        call: ResolvedOptions,
+        queue: Any,
+        serializer: str | None,
+    ) -> str | None:
+        """``dedup_key`` with the task's options already resolved."""
         if (
             not kwargs
             and call.deduplication_key is None
@@ -362,7 +373,11 @@ class DedupTask(_Task):
         if routed is not None:
             # send_task would run the routers again (a router may not be pure).
             options["router"] = _Routed(routed)
-        key = self.dedup_key(args, kwargs, call, queue_name, options.get("serializer"))
+        serializer = options.get("serializer")
+        if type(self).dedup_key is DedupTask.dedup_key:
+            key = self._key(config, args, kwargs, call, queue_name, serializer)
+        else:  # a subclass's own key (the compat shims)
+            key = self.dedup_key(args, kwargs, call, queue_name, serializer)
         if key is None:
             return mark_result(publish(task_id or uuid(), NO_LOCK), None)
         settings = config.runtime.settings

@@ -8,8 +8,6 @@ itself as its own duplicate: nothing would run until the TTL expired.
 
 from __future__ import annotations
 
-import socket
-import threading
 from collections.abc import Iterator
 
 import pytest
@@ -19,73 +17,21 @@ from celery import Celery
 from celery_dedup import DedupTask
 from celery_dedup.runtime import runtime_for
 from tests.core.conftest import AppFactory, wait_until
+from tests.fixtures.lost_reply_proxy import LostReplyProxy
 from tests.fixtures.redis import RedisServer
 
 pytestmark = pytest.mark.redis
 
 
-class ReplyDroppingProxy:
-    """A TCP proxy to Redis that can drop the reply to the next command naming ``verb``.
-
-    The command reaches the server (which applies it); the client's
-    connection is then closed before any reply byte is forwarded.
-    """
-
-    def __init__(self, port: int) -> None:
-        self.target = ("127.0.0.1", port)
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.armed: bytes | None = None
-        self.dropped = 0
-        self._stop = False
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def arm(self, verb: bytes) -> None:
-        self.armed = verb
-
-    def _accept(self) -> None:
-        while not self._stop:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            server = socket.create_connection(self.target)
-            threading.Thread(target=self._pump, args=(client, server), daemon=True).start()
-
-    def _pump(self, client: socket.socket, server: socket.socket) -> None:
-        try:
-            while True:
-                data = client.recv(65536)
-                if not data:
-                    break
-                drop = self.armed is not None and self.armed in data.upper()
-                server.sendall(data)
-                if drop:
-                    self.armed = None
-                    server.recv(65536)  # the server applied it and answered
-                    self.dropped += 1
-                    break
-                client.sendall(server.recv(65536))
-        except OSError:
-            pass
-        finally:
-            client.close()
-            server.close()
-
-    def close(self) -> None:
-        self._stop = True
-        self.listener.close()
-
-
 @pytest.fixture
-def proxy(redis_server: RedisServer) -> Iterator[ReplyDroppingProxy]:
+def proxy(redis_server: RedisServer) -> Iterator[LostReplyProxy]:
     redis_server.flush(5, 6)
-    proxy = ReplyDroppingProxy(redis_server.port)
+    proxy = LostReplyProxy(redis_server.port)
     yield proxy
     proxy.close()
 
 
-def _app(app_factory: AppFactory, proxy: ReplyDroppingProxy) -> Celery:
+def _app(app_factory: AppFactory, proxy: LostReplyProxy) -> Celery:
     # Celery's backend clients do not retry; a client configured to (as
     # redis-py's own default client is) re-sends a command whose reply was lost.
     return app_factory(
@@ -96,7 +42,7 @@ def _app(app_factory: AppFactory, proxy: ReplyDroppingProxy) -> Celery:
 
 
 def test_acquire_whose_reply_was_lost_publishes_once(
-    app_factory: AppFactory, proxy: ReplyDroppingProxy, redis_server: RedisServer, worker_for
+    app_factory: AppFactory, proxy: LostReplyProxy, redis_server: RedisServer, worker_for
 ) -> None:
     app = _app(app_factory, proxy)
     runs = redis_server.client(6)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -36,6 +35,7 @@ from celery_dedup.runtime import runtime_for
 from celery_dedup.stores.redis import RedisStore
 from tests.core.conftest import make_app, wait_until
 from tests.fixtures._servers import free_port, running
+from tests.fixtures.lost_reply_proxy import LostReplyProxy
 from tests.fixtures.redis import RedisServer, start_redis
 
 pytestmark = pytest.mark.redis
@@ -55,58 +55,6 @@ return 1
 
 
 # -- infrastructure -----------------------------------------------------------------------
-
-
-class LostReplyProxy:
-    """A TCP proxy to Redis that can lose the reply to the next command carrying ``marker``.
-
-    The command reaches the server, which applies it and answers; the
-    client's connection is then closed before any reply byte is forwarded,
-    so a client with a retry policy re-sends the command.
-    """
-
-    def __init__(self, port: int) -> None:
-        self.target = ("127.0.0.1", port)
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.armed: bytes | None = None
-        self.dropped = 0
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def arm(self, marker: bytes | str) -> None:
-        self.armed = marker.encode() if isinstance(marker, str) else marker
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            server = socket.create_connection(self.target)
-            threading.Thread(target=self._pump, args=(client, server), daemon=True).start()
-
-    def _pump(self, client: socket.socket, server: socket.socket) -> None:
-        try:
-            while True:
-                data = client.recv(65536)
-                if not data:
-                    break
-                drop = self.armed is not None and self.armed in data
-                server.sendall(data)
-                if drop:
-                    self.armed = None
-                    server.recv(65536)  # applied and answered: the answer is lost
-                    self.dropped += 1
-                    break
-                client.sendall(server.recv(65536))
-        except OSError:
-            pass
-        finally:
-            client.close()
-            server.close()
-
-    def close(self) -> None:
-        self.listener.close()
 
 
 @pytest.fixture

@@ -23,24 +23,13 @@ from celery_dedup.stores.base import ClaimOutcome, RevokeOutcome
 from celery_dedup.stores.redis import RedisStore
 from celery_dedup.testing import held_locks
 from tests.fixtures.redis import RedisServer
+from tests.stores.test_redis_records import ACQUIRE_0_1_0  # what a 0.1.0 producer runs
 
 pytestmark = pytest.mark.redis
 
 DB = 54
 NAME = "proj.billing.tasks.sync_orders"
 META = {"task_name": NAME, "policy": "success", "task_id": "id-1"}
-
-#: 0.1.0's acquire script, verbatim (what a producer not yet upgraded runs)
-ACQUIRE_0_1_0 = """
-local holder = redis.call('hmget', KEYS[1], 'owner', 'task', 'policy', 'at')
-if holder[1] then
-    return {holder[1], holder[2], holder[3], holder[4], redis.call('pttl', KEYS[1])}
-end
-redis.call('hset', KEYS[1], 'owner', ARGV[1], 'task', ARGV[3], 'policy', ARGV[4], 'at', ARGV[5])
-redis.call('pexpire', KEYS[1], ARGV[2])
-return false
-"""
-
 
 @pytest.fixture
 def raw(redis_server: RedisServer) -> Iterator[redis.Redis]:
