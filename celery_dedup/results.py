@@ -65,8 +65,31 @@ class DeduplicatedResult(_AsyncResult):
             return  # AsyncResult.__init__'s eager promise: built lazily instead
         self.__dict__["_on_ready_promise"] = value
 
+    def __copy__(self) -> DeduplicatedResult:
+        return DeduplicatedResult(
+            self.id,
+            app=self.app,
+            backend=self.backend,
+            deduplication_key=self.deduplication_key,
+            lock=self.lock,
+            duplicate_id=self.duplicate_id,
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # AsyncResult pickles its positional arguments; ours are keywords.
+        return _unpickle, (self.id, self.deduplication_key, self.lock, self.duplicate_id)
+
     def __repr__(self) -> str:
         return f"<DeduplicatedResult: {self.id} (duplicate)>"
+
+
+def _unpickle(
+    id: str, deduplication_key: str, lock: Lock | None, duplicate_id: str | None
+) -> DeduplicatedResult:
+    """A pickled ``DeduplicatedResult`` again, on the current app (as ``AsyncResult``)."""
+    return DeduplicatedResult(
+        id, deduplication_key=deduplication_key, lock=lock, duplicate_id=duplicate_id
+    )
 
 
 def mark_result(result: Any, key: str | None, owner: str | None = None) -> Any:

@@ -165,9 +165,12 @@ def held_locks(app: Celery | DedupTask, task: DedupTask | str | None = None) -> 
     if store is None:
         raise DedupError("this app has no lock store (set dedup_store or use memory_store)")
     prefix = runtime.settings.key_prefix + ":"
-    if task is not None:
-        prefix += (task if isinstance(task, str) else task.name) + ":"
-    return sorted(store.scan(prefix), key=lambda lock: lock.key)
+    name = None if task is None else task if isinstance(task, str) else task.name
+    if name is not None:
+        prefix += name + ":"
+    # A prefix scan of "tasks:" also finds "tasks:with:colons:…": keep the named task's.
+    locks = [lock for lock in store.scan(prefix) if name is None or lock.task_name == name]
+    return sorted(locks, key=lambda lock: lock.key)
 
 
 @dataclass(frozen=True)

@@ -189,6 +189,23 @@ def test_held_locks_filters_by_task(eager_app: Celery, tasks: dict[str, Any]) ->
         assert [lock.task_id for lock in held_locks(eager_app, send_digest)] == [c.id]
 
 
+def test_held_locks_of_a_task_name_that_prefixes_another(eager_app: Celery) -> None:
+    """``held_locks(app, "jobs")`` never lists the locks of task ``jobs:nightly``."""
+
+    @eager_app.task(base=DedupTask, name="jobs", shared=False, unique_until="expiry")
+    def jobs(n: int) -> int:
+        return n
+
+    @eager_app.task(base=DedupTask, name="jobs:nightly", shared=False, unique_until="expiry")
+    def nightly(n: int) -> int:
+        return n
+
+    with memory_store(eager_app):
+        first, other = jobs.delay(1), nightly.delay(1)
+        assert [lock.task_id for lock in held_locks(eager_app, "jobs")] == [first.id]
+        assert [lock.task_id for lock in held_locks(nightly)] == [other.id]
+
+
 def test_held_locks_without_store(eager_app: Celery) -> None:
     """An app with no derivable store makes ``held_locks`` raise instead of returning []."""
     runtime_for(eager_app).use_store(None)

@@ -11,8 +11,10 @@ where it matters, a real worker.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import pickle
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -528,3 +530,13 @@ def test_a_duplicates_result_get_then_and_on_ready_through_a_worker(
     assert late.get(timeout=5) == 42
     second = DeduplicatedResult(first.id, app=app, deduplication_key="k")
     assert second.get(timeout=5) == 42 and second.on_ready.ready
+    # Kept in a session or cache, or handed to another process: pickled and copied.
+    thawed = pickle.loads(pickle.dumps(duplicate))  # on the current app, as AsyncResult
+    copied = copy.copy(duplicate)
+    for again in (thawed, copied):
+        assert isinstance(again, DeduplicatedResult) and again.deduplicated is True
+        assert again.id == duplicate.id and again.duplicate_id == duplicate.duplicate_id
+        assert again.deduplication_key == duplicate.deduplication_key
+        assert again.lock == duplicate.lock and again.lock is not None
+        assert again.lock.owner == ""  # the holder's token never travels with it
+    assert copied.get(timeout=5) == 42
