@@ -173,9 +173,9 @@ def as_delivered(
             type(name) is str for name in kwargs
         ):
             return args, kwargs
-    if serializer == "json" and _json_stable(args or ()) and _json_stable(kwargs or {}):
-        # Plain JSON data comes back unchanged: skip the encode/decode round trip.
-        return list(args or ()), dict(kwargs or {})
+        if _json_stable(args) and _json_stable(kwargs):
+            # Plain JSON data comes back unchanged: skip the encode/decode round trip.
+            return list(args), dict(kwargs)
     from kombu.serialization import dumps, loads
 
     content_type, encoding, data = dumps([list(args or ()), dict(kwargs or {})], serializer)
@@ -337,8 +337,10 @@ class ArgumentBinder:
             return None
         if not _plain_scalars(args):
             return None
-        arguments = dict(zip(names, args, strict=True))
-        return _CANONICAL_ENCODER.encode(["strict", self.task_name, queue, arguments])
+        return self._material(queue, dict(zip(names, args, strict=True)))
+
+    def _material(self, queue: str | None, canonical_args: Mapping[str, Any]) -> str:
+        return _CANONICAL_ENCODER.encode(["strict", self.task_name, queue, canonical_args])
 
     def identity(
         self,
@@ -350,7 +352,7 @@ class ArgumentBinder:
         arguments = self.bind(args, kwargs)
         if _plain_scalars(arguments.values()) and not any(n.startswith("$") for n in arguments):
             # Scalars are their own canonical form: the same JSON, without the walk.
-            return _CANONICAL_ENCODER.encode(["strict", self.task_name, queue, arguments])
+            return self._material(queue, arguments)
         try:
             canonical_args = {
                 _escape_key(name): _canonical(value, name) for name, value in arguments.items()
@@ -369,7 +371,7 @@ class ArgumentBinder:
                 argument=name,
                 task_name=self.task_name,
             ) from None
-        return _CANONICAL_ENCODER.encode(["strict", self.task_name, queue, canonical_args])
+        return self._material(queue, canonical_args)
 
 
 def _too_deep(value: Any, name: str) -> bool:

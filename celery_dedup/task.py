@@ -263,6 +263,8 @@ class DedupTask(_Task):
         serializer: str | None,
     ) -> str | None:
         """``dedup_key`` with the task's options already resolved."""
+        prefix = config.runtime.settings.key_prefix
+        queue_name = getattr(queue, "name", queue) or config.default_queue
         if (
             not kwargs
             and call.deduplication_key is None
@@ -270,10 +272,9 @@ class DedupTask(_Task):
             and config.key_callable is None
             and (serializer or config.serializer) == "json"
         ):
-            queue_name = getattr(queue, "name", queue) or config.default_queue
             material = config.binder.positional_identity(queue_name, args or ())
             if material is not None:  # plain scalars: JSON delivers them unchanged
-                return lock_key(config.runtime.settings.key_prefix, self.name, material)
+                return lock_key(prefix, self.name, material)
         try:
             args, kwargs = as_delivered(args, kwargs, serializer or config.serializer)
         except Exception:
@@ -284,14 +285,12 @@ class DedupTask(_Task):
         caller_key = call.deduplication_key
         if caller_key is None and config.key_callable is not None:
             caller_key = validate_key(config.key_callable(*args, **kwargs), "deduplication_key")
-        prefix = config.runtime.settings.key_prefix
         if caller_key is not None:
             return lock_key(prefix, self.name, caller_key_material(caller_key))
         if call.identity is Identity.CALLER_PROVIDED:
             raise MissingDeduplicationKey(task_name=self.name)
         if call.identity is Identity.ALWAYS_UNIQUE:
             return None
-        queue_name = getattr(queue, "name", queue) or config.default_queue
         return lock_key(prefix, self.name, config.binder.identity(queue_name, args, kwargs))
 
     def routed_queue(
@@ -424,9 +423,7 @@ class DedupTask(_Task):
         """Take the lock (or take it over), then publish; or report the duplicate."""
         runtime = config.runtime
         assert call.unique_for is not None
-        countdown, eta = options.get("countdown"), options.get("eta")
-        ttl = lock_ttl(call.unique_for, countdown=countdown, eta=eta) if countdown or eta \
-            else call.unique_for
+        ttl = lock_ttl(call.unique_for, countdown=options.get("countdown"), eta=options.get("eta"))
         canvas_key = call.deduplication_key is not None and _is_canvas(options)
         # A canvas has no single end its lock could be released at: a key
         # given to a chain or a group holds the canvas as one unit for unique_for.
@@ -434,7 +431,7 @@ class DedupTask(_Task):
         replaces = call.on_duplicate is OnDuplicate.REPLACE
         owner = new_token()
         holder_id = str(options.get("group_id") or task_id) if canvas_key else task_id
-        meta = {"task_name": self.name, "policy": until.value, "task_id": holder_id}
+        meta = worker.meta_for(self, holder_id, until)
         previous: Lock | None = None
         holder: Lock | None = None
         try:

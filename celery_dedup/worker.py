@@ -38,7 +38,6 @@ from .signals import lock_acquired, lock_released, task_skipped
 from .stores.base import Claim, ClaimOutcome, Lock, LockStore
 
 if TYPE_CHECKING:
-    from .metrics import Metrics
     from .task import DedupTask
 
 __all__ = [
@@ -104,8 +103,6 @@ class Held:
     task_id: str
     #: set when the lock passed to a replacement (``self.replace()``)
     handed_over: bool = False
-    #: where the release is counted (the task's, resolved once at the start)
-    metrics: Metrics | None = None
 
 
 def short(key: str) -> str:
@@ -120,7 +117,6 @@ def release(
     owner: str,
     task_id: str,
     reason: str,
-    metrics: Metrics | None = None,
 ) -> bool:
     """Owner-checked release; a store outage is logged, never raised (the TTL bounds it)."""
     try:
@@ -135,14 +131,12 @@ def release(
         )
         return False
     if released:
-        _count_release(task, key, task_id, reason, metrics)
+        _count_release(task, key, task_id, reason)
     return released
 
 
-def _count_release(
-    task: DedupTask, key: str, task_id: str, reason: str, metrics: Metrics | None = None
-) -> None:
-    (metrics or task.dedup_config().runtime.metrics).incr(task.name, "released")
+def _count_release(task: DedupTask, key: str, task_id: str, reason: str) -> None:
+    task.dedup_config().runtime.metrics.incr(task.name, "released")
     if lock_released.receivers:
         lock_released.send(sender=task, key=key, task_id=task_id, reason=reason)
     if logger.isEnabledFor(logging.DEBUG):
@@ -336,8 +330,7 @@ def claim_at_start(
     """
     if request is None:
         request = task.request
-    runtime = task.dedup_config().runtime
-    store = runtime.store
+    store = task.dedup_config().runtime.store
     if store is None:
         return None
     header = header_of(request) if request.id == task_id else task.dedup_header(task_id)
@@ -356,9 +349,9 @@ def claim_at_start(
         # apply_async took this lock in this thread a moment ago: no claim needed.
         _eager_started().add(owner)
         if until is UniqueUntil.START:
-            release(task, store, key, owner, task_id, "start", runtime.metrics)
+            release(task, store, key, owner, task_id, "start")
             return None
-        return Held(store, header, key, owner, task_id, metrics=runtime.metrics)
+        return Held(store, header, key, owner, task_id)
     guarded = owner.startswith(GUARD_PREFIX)
     release_now = until is UniqueUntil.START
     retake = guarded or until is UniqueUntil.SUCCESS or until is UniqueUntil.FINISH
@@ -368,21 +361,21 @@ def claim_at_start(
             owner,
             release=release_now,
             ttl=header.unique_for if retake else None,
-            meta={"task_name": task.name, "policy": until.value, "task_id": task_id},
+            meta=meta_for(task, task_id, until),
         )
     except StoreUnavailable as exc:
         # The message exists: running it unlocked loses nothing (fallback "open").
         logger.warning("celery-dedup: %s[%s] runs unchecked: %s", task.name, task_id, exc)
         return None
     if claim.outcome is not ClaimOutcome.OWNED:
-        _not_owned(task, store, header, owner, task_id, claim, retake, runtime.metrics)
+        _not_owned(task, store, header, owner, task_id, claim, retake)
     if release_now:
         if claim.outcome is ClaimOutcome.OWNED:
-            _count_release(task, key, task_id, "start", runtime.metrics)
+            _count_release(task, key, task_id, "start")
         return None
     if guarded:
         _remember_guard(request, header)
-    return Held(store, header, key, owner, task_id, metrics=runtime.metrics)
+    return Held(store, header, key, owner, task_id)
 
 
 def _not_owned(
@@ -393,7 +386,6 @@ def _not_owned(
     task_id: str,
     claim: Claim,
     retake: bool,
-    metrics: Metrics,
 ) -> None:
     """A start claim that did not find this message's own lock: skip, or count the retake."""
     key = header.key
@@ -412,7 +404,7 @@ def _not_owned(
             reason = "held by another publish"
         _skip(task, task_id, key, holder.task_id if holder else None, reason)
     if claim.outcome is ClaimOutcome.FREE and retake:
-        metrics.incr(task.name, "acquired")
+        task.dedup_config().runtime.metrics.incr(task.name, "acquired")
         lock_acquired.send(
             sender=task, key=key, task_id=task_id, ttl=header.unique_for, policy=header.until.value
         )
@@ -469,7 +461,7 @@ def finish(task: DedupTask, held: Held, outcome: Outcome) -> None:
     if held.handed_over:
         return
     if outcome.releases(held.header.until):
-        release(task, held.store, held.key, held.owner, held.task_id, outcome.value, held.metrics)
+        release(task, held.store, held.key, held.owner, held.task_id, outcome.value)
         return
     try:
         held.store.settle(held.key, held.owner)
@@ -576,10 +568,9 @@ class DedupRequest(Request):
 
     def __init__(self, message: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(message, *args, **kwargs)
-        if type(self.request_dict.get(HEADER)) is not dict:  # else a header: nothing to do
-            task: Any = self.task
-            if hasattr(task, "dedup_config"):
-                _guard_unannounced(task, self)
+        task: Any = self.task
+        if hasattr(task, "dedup_config"):
+            _guard_unannounced(task, self)  # one dict lookup for a message with the header
 
     def on_failure(
         self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
