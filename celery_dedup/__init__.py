@@ -23,6 +23,9 @@ from .exceptions import (
     MissingDeduplicationKey,
     ScanNotSupported,
     StoreContention,
+    StoreError,
+    StorePermissionDenied,
+    StoreRefused,
     StoreUnavailable,
 )
 from .identity import Identity, time_bucket
@@ -59,6 +62,9 @@ __all__ = [
     "RevokeOutcome",
     "ScanNotSupported",
     "StoreContention",
+    "StoreError",
+    "StorePermissionDenied",
+    "StoreRefused",
     "StoreUnavailable",
     "UniqueUntil",
     "dedup_fallback",

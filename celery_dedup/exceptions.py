@@ -8,8 +8,12 @@ The hierarchy::
     ├── MissingDeduplicationKey (ValueError)   identity="caller_provided" without a key
     ├── DuplicateTaskError                     on_duplicate="raise" and the key is held
     ├── DeduplicationUnavailable (RuntimeError) no usable store and dedup_fallback="closed"
-    ├── StoreUnavailable (ConnectionError)     the lock store cannot be reached
-    ├── StoreContention                        the store stayed contended after bounded retries
+    ├── StoreError                             a store operation failed (never a driver's exception)
+    │   ├── StoreUnavailable (ConnectionError) the lock store cannot be reached
+    │   ├── StoreContention                    the store stayed contended after bounded retries
+    │   └── StoreRefused                       the server answered with an error: read-only
+    │       │                                  (failover), full (noeviction), busy, misconfigured
+    │       └── StorePermissionDenied (PermissionError)  the store's user may not do this
     ├── ScanNotSupported (NotImplementedError) the store cannot list its locks (memcached)
     └── ImproperlyConfigured                   unknown store scheme or missing driver
         (also celery.exceptions.ImproperlyConfigured)
@@ -40,6 +44,9 @@ __all__ = [
     "MissingDeduplicationKey",
     "ScanNotSupported",
     "StoreContention",
+    "StoreError",
+    "StorePermissionDenied",
+    "StoreRefused",
     "StoreUnavailable",
 ]
 
@@ -148,15 +155,24 @@ class DeduplicationUnavailable(DedupError, RuntimeError):
         self.reason = reason
 
 
-class StoreUnavailable(DedupError, ConnectionError):
-    """The lock store could not be reached (refused, timed out, gone away)."""
+class StoreError(DedupError):
+    """A lock store operation failed; the root of every store error.
+
+    Stores translate every driver exception into one of its subclasses at one
+    boundary, so neither the producer nor the worker ever sees a driver's
+    exception, and each maps the class to the documented fallback.
+    """
 
     def __init__(self, message: str, store: str) -> None:
         self._keep(message, message, store)
         self.store = store
 
 
-class StoreContention(DedupError):
+class StoreUnavailable(StoreError, ConnectionError):
+    """The lock store could not be reached (refused, timed out, gone away)."""
+
+
+class StoreContention(StoreError):
     """The store stayed contended (deadlocks, lock waits) after bounded retries.
 
     The store is reachable, so this is never a reason to publish without a
@@ -164,9 +180,20 @@ class StoreContention(DedupError):
     an unlocked publish).
     """
 
-    def __init__(self, message: str, store: str) -> None:
-        self._keep(message, message, store)
-        self.store = store
+
+class StoreRefused(StoreError):
+    """The store answered, but refused the operation.
+
+    A replica after a failover (Redis ``READONLY``, PostgreSQL read-only
+    transactions), a full server (``OOM`` under ``noeviction``), a server
+    that cannot persist (``MISCONF``) or is busy with a script (``BUSY``).
+    The fallback treats it like an unreachable store: it is an outage of the
+    lock, not a duplicate.
+    """
+
+
+class StorePermissionDenied(StoreRefused, PermissionError):
+    """The store's user lacks a right the operation needs (Redis ``NOPERM``, SQL 42501)."""
 
 
 class ScanNotSupported(DedupError, NotImplementedError):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol, runtime_checkable
 
-from ..exceptions import StoreUnavailable
+from ..exceptions import StoreError, StoreUnavailable
 
 __all__ = [
     "REVOKED_POLICY",
@@ -224,8 +224,8 @@ def unavailable_on(
     """
     try:
         yield
-    except StoreUnavailable:
-        raise  # already translated (and an OSError itself): never wrap twice
+    except StoreError:
+        raise  # already translated (StoreUnavailable is an OSError itself): never wrap twice
     except errors as exc:
         raise unavailable(exc, store, describe() if describe is not None else store) from exc
 
