@@ -10,7 +10,7 @@ from celery import current_app, group
 from celery.canvas import Signature
 from celery.result import GroupResult
 
-from .exceptions import DuplicateTaskError, InvalidOptionError, StoreUnavailable
+from .exceptions import DuplicateTaskError, InvalidOptionError, StoreContention, StoreError
 from .header import new_token
 from .identity import caller_key_material, lock_key
 from .options import OnDuplicate, validate_choice, validate_key, validate_positive_seconds
@@ -77,7 +77,9 @@ def enqueue_many(
         }
         try:
             holder = store.acquire(key, owner, ttl, meta)
-        except StoreUnavailable as exc:
+        except StoreContention:
+            raise  # the store answers: contention is never an outage
+        except StoreError as exc:
             runtime.fall_back(BATCH_TASK_NAME, exc)
             store = None
     if holder is not None and holder.owner == owner:

@@ -204,6 +204,12 @@ SETTINGS: Final[Mapping[str, tuple[Any, Callable[[Any, str], Any]]]] = {
     # How long a revoked owner stays refused (at least its lock's TTL): a
     # revoked message reaching a worker later than this runs if the key is free.
     "dedup_revoked_ttl": (86400, validate_positive_seconds),
+    # The running lease of a started message: renewed by the worker's main
+    # process every third of it; a crashed run's copy waits at most this long.
+    "dedup_lease_ttl": (60, validate_positive_seconds),
+    # How long a completed run's done marker refuses its late copies; None:
+    # unique_for plus the transport's visibility_timeout (at least the lease).
+    "dedup_done_ttl": (None, validate_unique_for),
 }
 
 DEFAULTS: Final[Mapping[str, Any]] = {name: spec[0] for name, spec in SETTINGS.items()}

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .exceptions import DeduplicationUnavailable, ImproperlyConfigured, StoreUnavailable
+from .exceptions import DeduplicationUnavailable, ImproperlyConfigured, StoreError
 from .identity import Identity
 from .metrics import Metrics, flush_interval
 from .native import Native
@@ -52,6 +52,9 @@ WATCHED_SETTINGS = (
     "dedup_metrics_flush_interval",
     "dedup_native",
     "dedup_revoked_ttl",
+    "dedup_lease_ttl",
+    "dedup_done_ttl",
+    "broker_transport_options",
     "task_send_sent_event",
     "result_backend",
     "broker_url",
@@ -99,6 +102,12 @@ class AppSettings:
     send_events: bool
     #: seconds a revoked owner token stays refused at start (``dedup_revoked_ttl``)
     revoked_ttl: float = 86400.0
+    #: seconds a started message's running lease lives unrenewed (``dedup_lease_ttl``)
+    lease_ttl: float = 60.0
+    #: seconds a done marker lives (``dedup_done_ttl``; ``None``: see ``done_ttl_for``)
+    done_ttl: float | None = None
+    #: the broker transport's ``visibility_timeout`` (redelivery of unacked messages), or 0
+    visibility_timeout: float = 0.0
     #: whether calls to a broker queue that deduplicates itself skip the store
     native: Native = Native.AUTO
     #: the broker URL's scheme (``sqs``, ``redis``, ``amqp``…)
@@ -120,6 +129,9 @@ class AppSettings:
             fallback=read_setting(conf, "dedup_fallback"),
             send_events=send_events,
             revoked_ttl=read_setting(conf, "dedup_revoked_ttl"),
+            lease_ttl=read_setting(conf, "dedup_lease_ttl"),
+            done_ttl=read_setting(conf, "dedup_done_ttl"),
+            visibility_timeout=_visibility_timeout(conf),
             native=read_setting(conf, "dedup_native"),
             broker_scheme=str(conf.get("broker_url") or "").split(";")[0].partition("://")[0],
             store_options=dict(conf.get("dedup_store_options") or {}),
@@ -243,7 +255,7 @@ class Runtime:
             self._store = store
             self._store_resolved = True
 
-    def fall_back(self, task_name: str, error: StoreUnavailable | None) -> None:
+    def fall_back(self, task_name: str, error: StoreError | None) -> None:
         """Apply ``dedup_fallback`` for a call that could not take a lock.
 
         Returns (publish without a lock) in open mode; raises
@@ -282,6 +294,21 @@ class Runtime:
                 logger.warning(W_UNAVAILABLE, error)
         else:
             logger.debug("celery-dedup: publishing %s without a lock (%s)", task_name, reason)
+
+
+#: Transports that redeliver a message nobody acknowledged within
+#: ``visibility_timeout`` (kombu's default for them is one hour).
+_REDELIVERING = frozenset({"redis", "rediss", "redis+socket", "sentinel", "sqs", "gcpubsub"})
+
+
+def _visibility_timeout(conf: Any) -> float:
+    """The broker's ``visibility_timeout``: how late a copy of a message can come."""
+    options = conf.get("broker_transport_options") or {}
+    scheme = str(conf.get("broker_url") or "").split(";")[0].partition("://")[0]
+    given = options.get("visibility_timeout")
+    if given is not None:
+        return float(given)
+    return 3600.0 if scheme in _REDELIVERING else 0.0
 
 
 def _broker_scheme(app: Celery) -> str:

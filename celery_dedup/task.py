@@ -19,7 +19,8 @@ from .exceptions import (
     DuplicateTaskError,
     InvalidOptionError,
     MissingDeduplicationKey,
-    StoreUnavailable,
+    StoreContention,
+    StoreError,
 )
 from .header import HEADER, NO_LOCK, LockHeader, new_token
 from .identity import (
@@ -442,7 +443,9 @@ class DedupTask(_Task):
                 previous = self._take_over(store, key, owner, ttl, meta)
             else:
                 holder = store.acquire(key, owner, ttl, meta)
-        except StoreUnavailable as exc:
+        except StoreContention:
+            raise  # the store answers: contention is never an outage
+        except StoreError as exc:
             # The write may still land when the store answers again (a paused
             # or slow server): the published message carries the owner token,
             # so it owns and releases such a lock; if nothing is published,
@@ -475,7 +478,7 @@ class DedupTask(_Task):
 
     def _publish_unlocked(
         self,
-        error: StoreUnavailable | None,
+        error: StoreError | None,
         key: str,
         task_id: str,
         publish: Callable[[str, LockHeader], Any],
@@ -573,7 +576,7 @@ class DedupTask(_Task):
                 "started": "1" if previous.started else "",
             }
             holder = store.acquire(key, previous.owner, max(previous.ttl, 1.0), meta)
-        except StoreUnavailable as exc:
+        except StoreError as exc:
             logger.warning(
                 "celery-dedup: could not restore the lock of %s[%s] after a failed replace: %s",
                 self.name,
@@ -747,7 +750,8 @@ class DedupTask(_Task):
         try:
             retval = super().__call__(*args, **kwargs)
         except Retry:
-            raise  # the retry was published holding the lock
+            worker.finish(self, held, worker.Outcome.RETRIED)  # the retry holds the lock
+            raise
         except Ignore:
             worker.finish(self, held, worker.Outcome.IGNORED)
             raise

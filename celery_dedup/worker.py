@@ -23,17 +23,20 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from celery import states
-from celery.exceptions import Ignore, TimeLimitExceeded
+from celery.exceptions import Ignore, Retry, TimeLimitExceeded, WorkerLostError
 from celery.signals import task_received, task_revoked
 from celery.utils.imports import symbol_by_name
 from celery.worker.control import control_command
 from celery.worker.request import Request
 from kombu.serialization import registry  # type: ignore[attr-defined]
 
-from .exceptions import StoreUnavailable
+from . import leases, runs
+from .exceptions import StoreContention, StoreError, StoreUnavailable
 from .header import HEADER, LockHeader, new_token, read_header
 from .identity import deterministic_task_id
+from .options import Fallback
 from .policy import UniqueUntil, lock_ttl
+from .runs import Run, RunState
 from .signals import lock_acquired, lock_released, task_skipped
 from .stores.base import Claim, ClaimOutcome, Lock, LockStore
 
@@ -80,10 +83,12 @@ class Outcome(str, Enum):
     REVOKED = "revoked"
     #: ``raise Reject(requeue=True)``: the message goes back to its queue
     REQUEUED = "requeued"
+    #: ``self.retry()``: the retry was published holding the lock
+    RETRIED = "retried"
 
     def releases(self, until: UniqueUntil) -> bool:
         """Whether a lock under ``until`` is released when a run ends like this."""
-        if self is Outcome.REQUEUED:
+        if self in (Outcome.REQUEUED, Outcome.RETRIED):
             return False
         if self in (Outcome.SUCCESS, Outcome.IGNORED):
             return until.releases_on_success()
@@ -103,6 +108,12 @@ class Held:
     task_id: str
     #: set when the lock passed to a replacement (``self.replace()``)
     handed_over: bool = False
+    #: this copy's run record (``None``: eager, or the store did not answer)
+    run: Run | None = None
+    #: the start claim could not reach the store: the lock may not be this run's
+    unchecked: bool = False
+    #: ``unique_until="start"``: released by the start claim already
+    released: bool = False
 
 
 def short(key: str) -> str:
@@ -121,14 +132,17 @@ def release(
     """Owner-checked release; a store outage is logged, never raised (the TTL bounds it)."""
     try:
         released = store.release(key, owner)
-    except StoreUnavailable as exc:
+    except StoreError as exc:
         logger.warning(
-            "celery-dedup: could not release lock %s of %s[%s] (%s): it expires with its TTL",
+            "celery-dedup: could not release lock %s of %s[%s] (%s): "
+            "released as soon as the store answers",
             short(key),
             task.name,
             task_id,
             exc,
         )
+        runtime = task.dedup_config().runtime
+        runtime.add_orphan(key, owner, runtime.settings.revoked_ttl)
         return False
     if released:
         _count_release(task, key, task_id, reason)
@@ -192,16 +206,14 @@ def republish_as_holder(
                         task_id,
                         short(header.key),
                     )
-        except StoreUnavailable as exc:
+        except StoreError as exc:
             logger.warning(
                 "celery-dedup: could not extend lock %s on retry: %s", short(header.key), exc
             )
     return publish(task_id, header)
 
 
-def _skip(
-    task: DedupTask, task_id: str, key: str, holder_id: str | None, reason: str
-) -> None:
+def _skip(task: DedupTask, task_id: str, key: str, holder_id: str | None, reason: str) -> None:
     """End the task without running its body: IGNORED, or REVOKED for a revoked owner.
 
     No state is written under a task id another run shares (a deterministic
@@ -251,14 +263,12 @@ def guard_header(
     try:
         key = task.dedup_key(args, kwargs, call, queue, serializer)
         token = guard_token(task, task_id)
-    except (TypeError, ValueError, StoreUnavailable) as exc:
+    except (TypeError, ValueError, StoreError) as exc:
         logger.warning("celery-dedup: %s[%s] runs unguarded: %s", task.name, task_id, exc)
         return None
     if key is None:
         return None
-    return LockHeader(
-        key=key, until=UniqueUntil.EXPIRY, unique_for=config.unique_for, token=token
-    )
+    return LockHeader(key=key, until=UniqueUntil.EXPIRY, unique_for=config.unique_for, token=token)
 
 
 def guard_header_of(task: DedupTask, request: Any) -> LockHeader | None:
@@ -355,7 +365,12 @@ def claim_at_start(
     guarded = owner.startswith(GUARD_PREFIX)
     release_now = until is UniqueUntil.START
     retake = guarded or until is UniqueUntil.SUCCESS or until is UniqueUntil.FINISH
+    run = _run_of(store, request, key, owner)
+    begun = False
     try:
+        if run is not None:
+            _begin(task, request, run, task_id, args, kwargs)
+            begun = True
         claim = store.claim(
             key,
             owner,
@@ -363,19 +378,161 @@ def claim_at_start(
             ttl=header.unique_for if retake else None,
             meta=meta_for(task, task_id, until),
         )
-    except StoreUnavailable as exc:
-        # The message exists: running it unlocked loses nothing (fallback "open").
-        logger.warning("celery-dedup: %s[%s] runs unchecked: %s", task.name, task_id, exc)
-        return None
+    except StoreError as exc:
+        return _claim_failed(task, request, header, owner, task_id, args, kwargs, exc, run, begun)
+    held = Held(store, header, key, owner, task_id, run=run, released=release_now)
     if claim.outcome is not ClaimOutcome.OWNED:
-        _not_owned(task, store, header, owner, task_id, claim, retake)
-    if release_now:
-        if claim.outcome is ClaimOutcome.OWNED:
-            _count_release(task, key, task_id, "start")
-        return None
+        try:
+            _not_owned(task, store, header, owner, task_id, claim, retake)
+        except (Ignore, Retry):
+            _complete_run(task, held)  # this attempt ends here: its copies end too
+            raise
+    if release_now and claim.outcome is ClaimOutcome.OWNED:
+        _count_release(task, key, task_id, "start")
     if guarded:
         _remember_guard(request, header)
-    return Held(store, header, key, owner, task_id)
+    return held
+
+
+def _run_of(store: LockStore, request: Any, key: str, owner: str) -> Run | None:
+    """The run record of this copy: it has one when its worker gave it a delivery token."""
+    token = getattr(request, runs.DELIVERY_FIELD, None)
+    if not token:
+        return None
+    return runs.run_for(store, key, owner, runs.attempt_of(request), str(token))
+
+
+def _begin(task: DedupTask, request: Any, run: Run, task_id: str, args: Any, kwargs: Any) -> None:
+    """Take this copy's running lease; a copy of a running or completed attempt does not run."""
+    settings = task.dedup_config().runtime.settings
+    state, _ = runs.begin(run, settings.lease_ttl, task.name, task_id)
+    if state is RunState.DONE:
+        # The same publish ran to its end already: a copy the broker redelivered.
+        _skip(task, task_id, run.key, task_id, "already ran")
+    if state is RunState.RUNNING:
+        _defer(task, request, args, kwargs, run.key, "a copy of it is running", settings.lease_ttl)
+
+
+def _claim_failed(
+    task: DedupTask,
+    request: Any,
+    header: LockHeader,
+    owner: str,
+    task_id: str,
+    args: Any,
+    kwargs: Any,
+    exc: StoreError,
+    run: Run | None,
+    begun: bool,
+) -> Held:
+    """The start claim got no answer it can use: the fallback decides, nothing is lost.
+
+    Contention, or ``dedup_fallback="closed"``: the message is published
+    again for later (never failed without running). ``open``: the body runs
+    unchecked and its end releases the lock per policy, owner-checked, as
+    soon as the store answers again.
+    """
+    runtime = task.dedup_config().runtime
+    key = header.key
+    assert key is not None
+    if isinstance(exc, StoreContention) or runtime.settings.fallback is Fallback.CLOSED:
+        if begun and run is not None:
+            _abandon_run(task, run)
+        _defer(task, request, args, kwargs, key, f"the store did not answer: {exc}", None)
+    logger.warning("celery-dedup: %s[%s] runs unchecked: %s", task.name, task_id, exc)
+    return Held(
+        runtime.store or _never(),
+        header,
+        key,
+        owner,
+        task_id,
+        run=run if begun else None,
+        unchecked=True,
+    )
+
+
+def _never() -> LockStore:
+    raise AssertionError("a claim was attempted without a store")
+
+
+def _defer(
+    task: DedupTask,
+    request: Any,
+    args: Any,
+    kwargs: Any,
+    key: str,
+    reason: str,
+    lease: float | None,
+) -> None:
+    """Publish this very message again for later, then end this copy without a state.
+
+    The copy keeps its task id, header and options (Celery's
+    ``signature_from_request``, as ``retry()`` builds them) but not its
+    retry count: it is the same attempt. It comes back after a third of the
+    lease (a copy waiting for a running one) or a short backoff (a store
+    that did not answer). No state is written: the id is the running copy's.
+    """
+    from celery.app.task import Task
+
+    countdown = (
+        lease / 3.0 if lease is not None else min(1.0 * 2 ** int(request.retries or 0), 30.0)
+    )
+    logger.info(
+        "celery-dedup: %s[%s] deferred by %.1fs (lock %s: %s)",
+        task.name,
+        request.id,
+        countdown,
+        short(key),
+        reason,
+    )
+    sig = task.signature_from_request(request, args, kwargs, countdown=countdown)
+    options = dict(sig.options)
+    headers = dict(options.get("headers") or {})
+    header = header_of(request)
+    if header is not None:
+        headers[HEADER] = header.encode()
+    headers.pop(runs.DELIVERY_FIELD, None)
+    options["headers"] = headers
+    Task.apply_async(task, args, kwargs, **options)
+    raise Ignore(f"celery-dedup: deferred ({reason})")
+
+
+def _complete_run(task: DedupTask, held: Held) -> None:
+    """Write this attempt's done marker (a store error is logged: copies may run again)."""
+    run = held.run
+    if run is None:
+        return
+    settings = task.dedup_config().runtime.settings
+    done_ttl = runs.done_ttl_for(
+        held.header.unique_for or settings.default_ttl,
+        settings.lease_ttl,
+        settings.visibility_timeout,
+        settings.done_ttl,
+    )
+    try:
+        runs.complete(run, done_ttl, task.name, held.task_id)
+    except StoreError as exc:
+        logger.warning(
+            "celery-dedup: could not record the end of %s[%s] (lock %s): %s",
+            task.name,
+            held.task_id,
+            short(held.key),
+            exc,
+        )
+
+
+def _abandon_run(task: DedupTask, run: Run) -> None:
+    """Give this copy's lease up: the run did not complete, a copy may run now."""
+    try:
+        runs.abandon(run)
+    except StoreError as exc:
+        logger.warning(
+            "celery-dedup: could not give up the running lease of %s (lock %s): "
+            "a copy waits for it to lapse: %s",
+            task.name,
+            short(run.key),
+            exc,
+        )
 
 
 def _not_owned(
@@ -427,7 +584,7 @@ def _defer_to_pending_replacement(
     """
     try:
         holder = holder or store.get(key)
-    except StoreUnavailable:
+    except StoreError:
         return
     if holder is None or holder.owner == owner or holder.started:
         return
@@ -454,18 +611,26 @@ def _remember_guard(request: Any, header: LockHeader) -> None:
 def finish(task: DedupTask, held: Held, outcome: Outcome) -> None:
     """Apply the policy when the run ends, before the result is stored.
 
-    Released when the policy says so; otherwise the kept lock is settled
-    (marked not started: nothing runs under it any more, so a revoke frees
-    it at once). A lock handed to a replacement is left to it.
+    The attempt's done marker is written first (a copy arriving from now on
+    is acknowledged without running; a requeued message's lease is given up
+    instead). Then the lock is released when the policy says so; otherwise
+    the kept lock is settled (marked not started: nothing runs under it any
+    more, so a revoke frees it at once). A lock handed to a replacement is
+    left to it. A store error never changes the run's outcome: a release
+    that did not land is retried as soon as the store answers.
     """
-    if held.handed_over:
+    if outcome is Outcome.REQUEUED and held.run is not None:
+        _abandon_run(task, held.run)
+    else:
+        _complete_run(task, held)
+    if held.handed_over or held.released or outcome is Outcome.RETRIED:
         return
     if outcome.releases(held.header.until):
         release(task, held.store, held.key, held.owner, held.task_id, outcome.value)
         return
     try:
         held.store.settle(held.key, held.owner)
-    except StoreUnavailable as exc:
+    except StoreError as exc:
         logger.warning(
             "celery-dedup: could not settle lock %s of %s[%s]: %s",
             short(held.key),
@@ -530,6 +695,10 @@ def release_killed_run(task: DedupTask, request: Any, outcome: Outcome) -> None:
     store = task.dedup_config().runtime.store
     if header is None or header.key is None or store is None:
         return
+    found = leases.lease_of(request)
+    if found is not None:
+        # The attempt ended (killed by a time limit or a revoke): its copies must not run.
+        _complete_run(task, Held(store, header, header.key, "", str(request.id), run=found[0]))
     if _killed_run_releases(header, outcome):
         task_id = str(request.id)
         release(task, store, header.key, header.owner(task_id), task_id, outcome.value)
@@ -542,6 +711,27 @@ def _killed_run_releases(header: LockHeader, outcome: Outcome) -> bool:
     was killed or revoked.
     """
     return outcome.releases(header.until) or (header.token or "").startswith(GUARD_PREFIX)
+
+
+def _give_delivery_token(task: DedupTask, request: Any) -> None:
+    """Give a received message its delivery token and keep its running lease alive.
+
+    The token travels with the request to the pool child (its run record's
+    owner); this process renews the lease while the request is active.
+    """
+    request_dict = request.request_dict
+    header = read_header(request_dict)
+    if header is None or header.key is None:
+        return
+    runtime = task.dedup_config().runtime
+    store = runtime.store
+    if store is None:
+        return
+    token = request_dict[runs.DELIVERY_FIELD] = new_token()
+    run = runs.run_for(
+        store, header.key, header.owner(str(request.id)), runs.attempt_of(request_dict), token
+    )
+    leases.remember(request, run, runtime.settings.lease_ttl)
 
 
 def _guard_unannounced(task: DedupTask, request: Any) -> None:
@@ -571,6 +761,7 @@ class DedupRequest(Request):
         task: Any = self.task
         if hasattr(task, "dedup_config"):
             _guard_unannounced(task, self)  # one dict lookup for a message with the header
+            _give_delivery_token(task, self)
 
     def on_failure(
         self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
@@ -579,6 +770,8 @@ class DedupRequest(Request):
         exc = getattr(exc_info, "exception", None)
         if not return_ok and isinstance(getattr(exc, "exc", exc), TimeLimitExceeded):
             self._release_killed_run()
+        elif isinstance(exc, WorkerLostError):
+            abandon_lost_run(self)
         super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
     def on_timeout(self, soft: bool, timeout: float) -> None:
@@ -598,6 +791,19 @@ class DedupRequest(Request):
             release_killed_run(task, self, Outcome.FAILURE)
 
 
+def abandon_lost_run(request: Any) -> None:
+    """The pool child running ``request`` died (``WorkerLostError``): give its lease up.
+
+    The child is gone, so its run cannot still be alive: a copy (the
+    message requeued by ``task_reject_on_worker_lost``, or redelivered)
+    may run at once instead of waiting for the lease to lapse.
+    """
+    found = leases.lease_of(request)
+    task: Any = getattr(request, "task", None)
+    if found is not None and hasattr(task, "dedup_config"):
+        _abandon_run(task, found[0])
+
+
 def _remember_request(sender: Any = None, request: Any = None, **_: Any) -> None:
     """``task_received`` for a task whose ``Request`` class is not a ``DedupRequest``."""
     task: Any = getattr(request, "task", None)
@@ -608,6 +814,7 @@ def _remember_request(sender: Any = None, request: Any = None, **_: Any) -> None
             del _received[task_id]
     _received.setdefault(request.id, weakref.WeakSet()).add(request)
     _guard_unannounced(task, request)
+    _give_delivery_token(task, request)
 
 
 def prepare_strategy(task: DedupTask) -> None:
@@ -659,7 +866,7 @@ def _request_token(request: Any) -> str | None:
         return None
     try:
         return guard_token(task, str(request.id))
-    except StoreUnavailable:
+    except StoreError:
         return None
 
 

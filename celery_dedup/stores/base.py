@@ -22,7 +22,10 @@ from typing import Protocol, runtime_checkable
 from ..exceptions import StoreError, StoreUnavailable
 
 __all__ = [
+    "DONE_POLICY",
+    "RECORD_POLICIES",
     "REVOKED_POLICY",
+    "RUNNING_POLICY",
     "Claim",
     "ClaimOutcome",
     "CounterSupport",
@@ -31,6 +34,7 @@ __all__ = [
     "LockStore",
     "RevokeOutcome",
     "revoked_marker_key",
+    "run_record_key",
     "unavailable",
     "unavailable_on",
 ]
@@ -45,6 +49,16 @@ LockMeta = Mapping[str, str]
 #: markers beside locks, e.g. in the same SQL table, filter them out by it).
 REVOKED_POLICY = "revoked"
 
+#: The ``policy`` of a run record whose run is in progress (its lease).
+RUNNING_POLICY = "run-live"
+
+#: The ``policy`` of a run record whose run completed (the done marker).
+DONE_POLICY = "run-done"
+
+#: Records that share a store with locks but are not locks: listings,
+#: reapers of locks and the admin leave them out.
+RECORD_POLICIES = frozenset({REVOKED_POLICY, RUNNING_POLICY, DONE_POLICY})
+
 
 def revoked_marker_key(key: str, owner: str) -> str:
     """The store key of the revoked marker of ``owner`` on ``key``.
@@ -55,6 +69,16 @@ def revoked_marker_key(key: str, owner: str) -> str:
     """
     digest = hashlib.sha256(f"{key}\x00{owner}".encode()).hexdigest()
     return f"celery-dedup-revoked:{digest}"
+
+
+def run_record_key(key: str, owner: str, attempt: str) -> str:
+    """The store key of the run record of one attempt of ``owner``'s publish on ``key``.
+
+    Like ``revoked_marker_key``: a fixed-length digest under a namespace of
+    its own, never under a lock prefix, so ``scan`` never sees it.
+    """
+    digest = hashlib.sha256(f"{key}\x00{owner}\x00{attempt}".encode()).hexdigest()
+    return f"celery-dedup-run:{digest}"
 
 
 class ClaimOutcome(str, Enum):

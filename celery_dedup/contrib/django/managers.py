@@ -35,7 +35,7 @@ from django.db import DatabaseError, models, transaction
 from django.db.models import F, Func
 
 from ...exceptions import ImproperlyConfigured
-from ...stores.base import REVOKED_POLICY
+from ...stores.base import RECORD_POLICIES, REVOKED_POLICY
 
 __all__ = [
     "CounterManager",
@@ -166,7 +166,9 @@ class LockQueries:
             f"INSERT INTO {self.table} ({names}) "
             f"VALUES ({', '.join(['%s'] * (1 + len(_GIVEN)))}, {self.now}, {self.now} + %s)"
         )
-        self.is_lock = f"{self.col['policy']} <> '{REVOKED_POLICY}'"
+        records = ", ".join(f"'{policy}'" for policy in sorted(RECORD_POLICIES))
+        self.is_lock = f"{self.col['policy']} NOT IN ({records})"
+        self.is_record = f"{self.col['policy']} IN ({records})"
         self.live_lock = f"{key} = %s AND {exp} > {self.now} AND {self.is_lock}"
         self.for_update = " FOR UPDATE" if connection.features.has_select_for_update else ""
 
@@ -489,9 +491,7 @@ class LockQueries:
         c = self.col
         starts, pattern = self._starts_with(prefix)
         expired = f"{c['expires_at']} <= {self.now}"
-        self._rowcount(
-            f"DELETE FROM {self.table} WHERE {expired} AND {c['policy']} = %s", [REVOKED_POLICY]
-        )
+        self._rowcount(f"DELETE FROM {self.table} WHERE {expired} AND {self.is_record}", [])
         return self._rowcount(
             f"DELETE FROM {self.table} WHERE {starts} AND {expired} AND {self.is_lock}", [pattern]
         )
@@ -521,7 +521,7 @@ class LockManager(models.Manager.from_queryset(LockQuerySet)):  # type: ignore[m
 
     def get_queryset(self) -> LockQuerySet:
         """Every lock row, revoked markers excluded."""
-        locks: LockQuerySet = super().get_queryset().exclude(policy=REVOKED_POLICY)
+        locks: LockQuerySet = super().get_queryset().exclude(policy__in=RECORD_POLICIES)
         return locks
 
     def queries(self, connection: Any) -> LockQueries:
