@@ -168,11 +168,21 @@ def debounce(doc: int, version: str) -> str:
 
 
 class Worker:
-    """A ``celery worker -P prefork -c 1`` subprocess that can be stopped and started again."""
+    """A ``celery worker -P prefork`` subprocess that can be stopped and started again."""
 
-    def __init__(self, env: dict[str, str], log: Path) -> None:
+    def __init__(
+        self,
+        env: dict[str, str],
+        log: Path,
+        app_module: str = __name__,
+        queue: str = QUEUE,
+        concurrency: int = 1,
+    ) -> None:
         self.env = env
         self.log = log
+        self.app_module = app_module
+        self.queue = queue
+        self.concurrency = concurrency
         self.proc: subprocess.Popen[bytes] | None = None
         #: where the current process's lines start in the log
         self.offset = 0
@@ -187,14 +197,14 @@ class Worker:
                     "-m",
                     "celery",
                     "-A",
-                    __name__,
+                    self.app_module,
                     "worker",
                     "-P",
                     "prefork",
                     "-c",
-                    "1",
+                    str(self.concurrency),
                     "-Q",
-                    QUEUE,
+                    self.queue,
                     "-l",
                     "INFO",
                     "--without-gossip",
@@ -219,6 +229,13 @@ class Worker:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(45)
             stop(self.proc)
+        self.proc = None
+
+    def kill(self) -> None:
+        """SIGKILL the whole worker (main process and pool): nothing is acked or restored."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
         self.proc = None
 
     def text(self) -> str:

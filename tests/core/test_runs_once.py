@@ -1,0 +1,198 @@
+"""One publish, one run: copies the broker redelivers never run the body again (issue 20).
+
+A real ``celery worker -P prefork`` subprocess consumes from a Redis broker
+whose ``visibility_timeout`` is 2 s and which restores unacknowledged
+messages every second, so every message that waits longer than 2 s (for
+its ETA, in the prefetch buffer, or because its worker died) is delivered
+again. Task bodies append to a Redis list; each test asserts the exact
+number of executions, then the lock state.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_dedup import DedupTask, inspect_lock
+from celery_dedup.runtime import runtime_for
+from tests.fixtures.redis import RedisServer
+
+from .conftest import wait_until
+from .test_ownership import texts
+from .test_ownership_prefork import ROOT, Worker
+
+pytestmark = pytest.mark.timeout(240)
+
+QUEUE = "runs-once"
+BROKER_DB, BACKEND_DB, RUNS_DB = 33, 34, 35
+VISIBILITY = 2
+LEASE = 3
+
+app = Celery("runs_once", set_as_current=False)
+app.conf.update(
+    broker_url=os.environ.get("ONCE_BROKER_URL", "memory://"),
+    result_backend=os.environ.get("ONCE_BACKEND_URL"),
+    broker_transport_options={
+        "visibility_timeout": VISIBILITY,
+        "unacked_restore_interval": 1,
+        "unacked_restore_throttle": 1,
+    },
+    task_default_queue=QUEUE,
+    broker_connection_retry_on_startup=True,
+    result_expires=None,
+    dedup_lease_ttl=LEASE,
+    dedup_metrics_flush_interval=3600,
+)
+
+_client: list[redis.Redis] = []
+
+
+def record(event: str) -> None:
+    """Append ``event`` (with this process's pid) to the shared log."""
+    if not _client:
+        _client.append(redis.Redis.from_url(os.environ["ONCE_RUNS_URL"]))
+    _client[0].rpush("runs", f"{event}:{os.getpid()}")
+
+
+def _waiting(until: str) -> Any:
+    @app.task(base=DedupTask, name=f"once.eta_{until}", unique_for=60, unique_until=until)
+    def eta(x: int) -> int:
+        record(f"eta_{until}:{x}")
+        return x
+
+    return eta
+
+
+ETA_TASKS = {until: _waiting(until) for until in ("start", "success", "finish", "expiry")}
+
+
+@app.task(base=DedupTask, unique_for=60)
+def busy(x: int) -> int:
+    """Runs 1.5 s: messages behind it wait in the prefetch buffer."""
+    record(f"busy:{x}")
+    time.sleep(1.5)
+    return x
+
+
+@app.task(
+    base=DedupTask,
+    unique_for=120,
+    unique_until="finish",
+    acks_late=True,
+    reject_on_worker_lost=True,
+)
+def fragile(x: int) -> int:
+    """Records its start, then runs 6 s: long enough to be killed mid-run."""
+    record(f"start:{x}")
+    time.sleep(6)
+    record(f"end:{x}")
+    return x
+
+
+@pytest.fixture
+def worker(
+    redis_server: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Worker]:
+    """A two-slot prefork worker on the test Redis (started by the test)."""
+    redis_server.flush(BROKER_DB, BACKEND_DB, RUNS_DB)
+    env = {
+        **os.environ,
+        "ONCE_BROKER_URL": redis_server.url(BROKER_DB),
+        "ONCE_BACKEND_URL": redis_server.url(BACKEND_DB),
+        "ONCE_RUNS_URL": redis_server.url(RUNS_DB),
+        "PYTHONPATH": str(ROOT),
+    }
+    monkeypatch.setenv("ONCE_RUNS_URL", env["ONCE_RUNS_URL"])
+    app.conf.update(broker_url=env["ONCE_BROKER_URL"], result_backend=env["ONCE_BACKEND_URL"])
+    proc = Worker(env, tmp_path / "worker.log", app_module=__name__, queue=QUEUE, concurrency=2)
+    try:
+        yield proc
+    finally:
+        proc.stop()
+        runtime_for(app).metrics.flush()
+
+
+def runs(redis_server: RedisServer) -> list[str]:
+    """Every execution event so far, without the pids."""
+    with redis_server.client(RUNS_DB) as client:
+        return [event.rsplit(":", 1)[0] for event in texts(client.lrange("runs", 0, -1))]
+
+
+def pids(redis_server: RedisServer, event: str) -> list[int]:
+    """The pids that logged ``event``, in order."""
+    with redis_server.client(RUNS_DB) as client:
+        logged = texts(client.lrange("runs", 0, -1))
+    return [int(e.rsplit(":", 1)[1]) for e in logged if e.rsplit(":", 1)[0] == event]
+
+
+def settle(seconds: float) -> None:
+    """Let every copy the broker would still redeliver arrive and be handled."""
+    time.sleep(seconds)
+
+
+def test_eta_longer_than_the_visibility_timeout_runs_once_under_every_policy(
+    worker: Worker, redis_server: RedisServer
+) -> None:
+    """A countdown of 3.5 visibility timeouts: each copy restored meanwhile is refused."""
+    worker.start()
+    results = {until: task.apply_async([1], countdown=7) for until, task in ETA_TASKS.items()}
+    for result in results.values():
+        assert result.get(timeout=60) == 1
+    settle(3 * VISIBILITY + LEASE)
+    assert sorted(runs(redis_server)) == sorted(f"eta_{until}:1" for until in ETA_TASKS)
+    assert "already ran" in worker.text() or "deferred" in worker.text()
+    # The policies still hold: expiry keeps its lock, the others released it.
+    assert inspect_lock(results["expiry"].deduplication_key, app=app) is not None
+    for until in ("start", "success", "finish"):
+        assert inspect_lock(results[until].deduplication_key, app=app) is None
+
+
+def test_prefetched_messages_waiting_past_the_visibility_timeout_run_once(
+    worker: Worker, redis_server: RedisServer
+) -> None:
+    """Six 1.5 s calls on two slots: the four waiting in the prefetch buffer are redelivered."""
+    results = [busy.delay(i) for i in range(6)]
+    worker.start()
+    assert [result.get(timeout=60) for result in results] == list(range(6))
+    settle(2 * VISIBILITY + LEASE)
+    assert sorted(runs(redis_server)) == sorted(f"busy:{i}" for i in range(6))
+
+
+def test_sigkill_of_the_pool_child_runs_exactly_once_more(
+    worker: Worker, redis_server: RedisServer
+) -> None:
+    """``acks_late`` + ``reject_on_worker_lost``: the requeued message runs once more, after."""
+    worker.start()
+    result = fragile.delay(1)
+    wait_until(lambda: pids(redis_server, "start:1"), timeout=30)
+    child = pids(redis_server, "start:1")[0]
+    os.kill(child, signal.SIGKILL)
+    assert result.get(timeout=60) == 1
+    settle(2 * VISIBILITY + LEASE)
+    assert runs(redis_server) == ["start:1", "start:1", "end:1"]
+    assert pids(redis_server, "start:1")[1] != child  # a new child, once the first was dead
+    assert inspect_lock(result.deduplication_key, app=app) is None
+    assert fragile.delay(1).deduplicated is False  # nothing left behind
+
+
+def test_sigkill_of_the_whole_worker_runs_once_more_after_the_lease_lapsed(
+    worker: Worker, redis_server: RedisServer
+) -> None:
+    """The restored copy waits for the dead run's lease, then runs once; the lock is freed."""
+    worker.start()
+    result = fragile.delay(2)
+    wait_until(lambda: pids(redis_server, "start:2"), timeout=30)
+    worker.kill()
+    worker.start()
+    assert result.get(timeout=90) == 2
+    settle(2 * VISIBILITY + LEASE)
+    assert runs(redis_server) == ["start:2", "start:2", "end:2"]
+    assert inspect_lock(result.deduplication_key, app=app) is None
