@@ -23,6 +23,7 @@ from celery import Celery
 
 from celery_dedup import DedupTask, inspect_lock
 from celery_dedup.runtime import runtime_for
+from tests.fixtures.postgres import PostgresServer
 from tests.fixtures.redis import RedisServer
 
 from .conftest import wait_until
@@ -40,6 +41,7 @@ app = Celery("runs_once", set_as_current=False)
 app.conf.update(
     broker_url=os.environ.get("ONCE_BROKER_URL", "memory://"),
     result_backend=os.environ.get("ONCE_BACKEND_URL"),
+    dedup_store=os.environ.get("ONCE_STORE_URL") or None,
     broker_transport_options={
         "visibility_timeout": VISIBILITY,
         "unacked_restore_interval": 1,
@@ -97,21 +99,43 @@ def fragile(x: int) -> int:
     return x
 
 
-@pytest.fixture
+@pytest.fixture(params=["redis", "postgres"])
 def worker(
-    redis_server: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    request: pytest.FixtureRequest,
+    redis_server: RedisServer,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[Worker]:
-    """A two-slot prefork worker on the test Redis (started by the test)."""
+    """A two-slot prefork worker on the test Redis broker (started by the test).
+
+    Its locks and run records live in the result backend's Redis, or in
+    PostgreSQL (``dedup_store``).
+    """
     redis_server.flush(BROKER_DB, BACKEND_DB, RUNS_DB)
+    store = ""
+    if request.param == "postgres":
+        server: PostgresServer = request.getfixturevalue("postgres_server")
+        store = "db+" + server.url()
+        with server.connect() as conn:
+            conn.execute(
+                "DO $$ BEGIN IF to_regclass('celery_dedup_sql_lock') IS NOT NULL THEN "
+                "DELETE FROM celery_dedup_sql_lock; DELETE FROM celery_dedup_sql_revoked; "
+                "END IF; END $$"
+            )
     env = {
         **os.environ,
         "ONCE_BROKER_URL": redis_server.url(BROKER_DB),
         "ONCE_BACKEND_URL": redis_server.url(BACKEND_DB),
         "ONCE_RUNS_URL": redis_server.url(RUNS_DB),
+        "ONCE_STORE_URL": store,
         "PYTHONPATH": str(ROOT),
     }
     monkeypatch.setenv("ONCE_RUNS_URL", env["ONCE_RUNS_URL"])
-    app.conf.update(broker_url=env["ONCE_BROKER_URL"], result_backend=env["ONCE_BACKEND_URL"])
+    app.conf.update(
+        broker_url=env["ONCE_BROKER_URL"],
+        result_backend=env["ONCE_BACKEND_URL"],
+        dedup_store=store or None,
+    )
     proc = Worker(env, tmp_path / "worker.log", app_module=__name__, queue=QUEUE, concurrency=2)
     try:
         yield proc
