@@ -114,26 +114,38 @@ def revoke(
     - ``RevokeOutcome.NOT_HELD``: the task holds no lock (finished, expired,
       or never locked).
 
-    Revoking one run never affects a later run of the same key, deterministic
-    ids included: those are never revoked by id (Celery would discard every
-    later message reusing it); ``terminate=True`` reaches them through the
+    The owner token of the handle's publish is marked revoked in every
+    case, even when its lock already expired, so a message still queued
+    never runs. Revoking one run never affects a later run reusing its task
+    id: Celery's revoke-by-id (which would discard every later message with
+    that id for hours) is sent only for the publish that holds the key, or
+    for a bare task id nothing else is known of, never for deterministic
+    ids; ``terminate=True`` reaches the others through the
     ``dedup_terminate`` control command, matched on the owner token.
     """
     task_id = result if isinstance(result, str) else result.id
     app = app or getattr(result, "app", None) or current_app
     app, store = _store(app)
     key = key or getattr(result, "deduplication_key", None)
-    lock = _lock_of(store, app, task_id, key, owner_of(result))
+    owner = owner_of(result)
+    lock = _lock_of(store, app, task_id, key, owner)
     outcome = RevokeOutcome.NOT_HELD
+    revoked_ttl = runtime_for(app).settings.revoked_ttl
     if lock is not None:
-        revoked_ttl = max(lock.ttl, runtime_for(app).settings.revoked_ttl)
-        outcome = store.revoke(lock.key, lock.owner, revoked_ttl)
-        key = lock.key
-    if key is None or task_id != deterministic_task_id(key):
+        outcome = store.revoke(lock.key, lock.owner, max(lock.ttl, revoked_ttl))
+        key, owner = lock.key, lock.owner
+    elif owner is not None and key is not None:
+        # The lock expired (or passed to a later call): the message may still
+        # be queued, and the marker is all that stops it.
+        store.revoke(key, owner, revoked_ttl)
+    deterministic = key is not None and task_id == deterministic_task_id(key)
+    # Celery's revoke-by-id discards every message with this id for hours: only
+    # for the publish that holds the key, or a bare id nothing else is known of.
+    if not deterministic and (lock is not None or owner is None):
         app.control.revoke(task_id, terminate=terminate, signal=signal or "SIGTERM")
-    elif terminate and lock is not None:
+    elif terminate and owner is not None:
         app.control.broadcast(
-            "dedup_terminate", arguments={"token": lock.owner, "signal": signal or "SIGTERM"}
+            "dedup_terminate", arguments={"token": owner, "signal": signal or "SIGTERM"}
         )
     if outcome is RevokeOutcome.RELEASED and lock is not None:
         _count_release(app, lock.key)
