@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
 import celery_dedup
 from celery_dedup import RevokeOutcome
 
