@@ -59,6 +59,8 @@ CHECK_IDS: Final[Mapping[str, str]] = {
     "dedup_metrics_flush_interval": "celery_dedup.E011",
     "dedup_native": "celery_dedup.E012",
     "dedup_revoked_ttl": "celery_dedup.E013",
+    "dedup_lease_ttl": "celery_dedup.E030",
+    "dedup_done_ttl": "celery_dedup.E031",
 }
 E_UNKNOWN_SCHEME: Final = "celery_dedup.E009"
 E_STORE_OPTIONS: Final = "celery_dedup.E010"
