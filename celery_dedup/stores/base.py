@@ -32,8 +32,8 @@ from ..exceptions import (
 )
 
 __all__ = [
-    "REVOKED_POLICY",
     "PASS_THROUGH",
+    "REVOKED_POLICY",
     "Claim",
     "ClaimOutcome",
     "Classify",
