@@ -11,6 +11,7 @@ see their modules), and every record carries a TTL.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -19,22 +20,39 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol, runtime_checkable
 
-from ..exceptions import StoreError, StoreUnavailable
+from billiard.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
+
+from ..exceptions import (
+    DedupError,
+    StoreContention,
+    StoreError,
+    StorePermissionDenied,
+    StoreRefused,
+    StoreUnavailable,
+)
 
 __all__ = [
     "DONE_POLICY",
+    "PASS_THROUGH",
     "RECORD_POLICIES",
     "REVOKED_POLICY",
     "RUNNING_POLICY",
     "Claim",
     "ClaimOutcome",
+    "Classify",
     "CounterSupport",
     "Lock",
     "LockMeta",
     "LockStore",
     "RevokeOutcome",
+    "os_error_kind",
+    "refused_unless_passed",
     "revoked_marker_key",
     "run_record_key",
+    "server_answer",
+    "store_error",
+    "store_errors",
+    "translate",
     "unavailable",
     "unavailable_on",
 ]
@@ -235,6 +253,128 @@ class CounterSupport(Protocol):
         """Return every stored counter under ``prefix``."""
 
 
+#: Decides what a driver exception means: the ``StoreError`` class to raise
+#: for it, or ``None`` when it is no driver error (it then passes unchanged).
+Classify = Callable[[BaseException], type[StoreError] | None]
+
+#: Exceptions that are never a store's answer: our own errors, bad arguments
+#: (programming errors) and Celery's time limits, raised inside whatever the
+#: worker was doing. A classifier that falls back on "any other exception is
+#: the store refusing" leaves these alone.
+PASS_THROUGH: tuple[type[BaseException], ...] = (
+    DedupError,
+    TypeError,
+    ValueError,
+    AttributeError,
+    LookupError,
+    AssertionError,
+    NotImplementedError,
+    SoftTimeLimitExceeded,
+    TimeLimitExceeded,
+)
+
+_TEMPLATES: dict[type[StoreError], str] = {
+    StoreUnavailable: "lock store {where} is unavailable: {answer}",
+    StoreContention: "lock store {where} stayed contended: {answer}",
+    StoreRefused: "lock store {where} refused the operation: {answer}",
+    StorePermissionDenied: "lock store {where} denied permission: {answer}",
+}
+
+
+def server_answer(exc: BaseException) -> str:
+    """The driver error ``exc`` as text: its class and the server's answer, code first.
+
+    redis-py strips the error code (``READONLY``, ``NOPERM``...) off the
+    messages it maps to a class and keeps it in ``status_code``: it is put
+    back, as it is the part of the answer a reader searches for.
+    """
+    text = str(exc)
+    code = getattr(exc, "status_code", None)
+    if isinstance(code, str) and code and not text.startswith(code):
+        text = f"{code} {text}"
+    return f"{type(exc).__name__}: {text}"
+
+
+def store_error(
+    kind: type[StoreError], exc: BaseException, store: str, where: str, answer: str | None = None
+) -> StoreError:
+    """The ``kind`` of ``StoreError`` that stands for the driver error ``exc``.
+
+    Its message names the store (``where``: its label) and the server's
+    answer; ``store`` is the store's short name.
+    """
+    template = _TEMPLATES.get(kind, "lock store {where} failed: {answer}")
+    text = server_answer(exc) if answer is None else answer
+    return kind(template.format(where=where, answer=text), store=store)
+
+
+def translate(
+    exc: BaseException,
+    classify: Classify,
+    store: str,
+    where: str,
+    answer: Callable[[BaseException], str] = server_answer,
+) -> BaseException:
+    """What to raise for ``exc``: a ``StoreError``, or ``exc`` itself when it is none of ours.
+
+    A ``StoreError`` (already translated) and every ``DedupError`` pass
+    unchanged, as does anything ``classify`` does not recognise.
+    """
+    if isinstance(exc, DedupError):
+        return exc
+    kind = classify(exc)
+    if kind is None:
+        return exc
+    return store_error(kind, exc, store, where, answer(exc))
+
+
+@contextmanager
+def store_errors(
+    classify: Classify,
+    store: str,
+    describe: Callable[[], str] | None = None,
+    answer: Callable[[BaseException], str] = server_answer,
+) -> Iterator[None]:
+    """The one boundary a store's driver errors cross: each becomes a ``StoreError``.
+
+    ``classify`` (one per store) maps a driver exception to
+    ``StoreUnavailable`` (cannot reach), ``StoreContention``,
+    ``StoreRefused`` (the server answered with an error: read-only, full,
+    busy...) or ``StorePermissionDenied``; a driver exception it does not
+    know must still be ``StoreRefused``, so none ever leaks. Our own errors
+    and programming errors (``PASS_THROUGH``) cross unchanged. ``describe``
+    gives the store's label for the message (default: ``store``), ``answer``
+    the server's answer in it.
+    """
+    try:
+        yield
+    except Exception as exc:
+        error = translate(exc, classify, store, describe() if describe else store, answer)
+        if error is exc:
+            raise
+        raise error from exc
+
+
+def refused_unless_passed(exc: BaseException) -> type[StoreError] | None:
+    """``StoreRefused`` for any exception but ``PASS_THROUGH``: the last rule of a classifier.
+
+    For stores that cannot know their driver's exception classes (a Django
+    cache backend of any kind).
+    """
+    if isinstance(exc, PASS_THROUGH) or not isinstance(exc, Exception):
+        return None
+    return StoreRefused
+
+
+def os_error_kind(exc: OSError) -> type[StoreError]:
+    """What a local ``OSError`` means: a full or read-only disk is refused, rights denied."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+        return StoreRefused
+    if exc.errno in (errno.EACCES, errno.EPERM) and not isinstance(exc, ConnectionError):
+        return StorePermissionDenied
+    return StoreUnavailable
+
+
 @contextmanager
 def unavailable_on(
     errors: tuple[type[BaseException], ...],
@@ -243,19 +383,19 @@ def unavailable_on(
 ) -> Iterator[None]:
     """Translate the driver's "cannot reach the server" errors into ``StoreUnavailable``.
 
-    Every store wraps its calls in this at one boundary, so the fallback
-    logic catches one type and never branches on the store.
+    The narrow form of ``store_errors`` (every other exception passes
+    unchanged); kept for callers outside the stores.
     """
-    try:
+
+    def classify(exc: BaseException) -> type[StoreError] | None:
+        return StoreUnavailable if isinstance(exc, errors) else None
+
+    with store_errors(classify, store, describe):
         yield
-    except StoreError:
-        raise  # already translated (StoreUnavailable is an OSError itself): never wrap twice
-    except errors as exc:
-        raise unavailable(exc, store, describe() if describe is not None else store) from exc
 
 
 def unavailable(exc: BaseException, store: str, where: str) -> StoreUnavailable:
     """The ``StoreUnavailable`` that stands for the driver error ``exc``."""
-    return StoreUnavailable(
-        f"lock store {where} is unavailable: {type(exc).__name__}: {exc}", store=store
-    )
+    error = store_error(StoreUnavailable, exc, store, where)
+    assert isinstance(error, StoreUnavailable)
+    return error

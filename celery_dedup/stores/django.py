@@ -18,7 +18,7 @@ store writes through the caller's connection (docs/django.md).
 
 **Contention is not an outage.** Deadlocks, serialization failures, lock
 waits and lost first-insert races are retried here with bounded, jittered
-backoff; only "cannot reach the database" becomes ``StoreUnavailable``.
+backoff; every other database error becomes a ``StoreError`` (``classify``).
 """
 
 from __future__ import annotations
@@ -35,9 +35,17 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from django.db import connections
 from django.db.backends.signals import connection_created
 from django.db.utils import DatabaseError, InterfaceError, OperationalError, ProgrammingError
+from django.db.utils import Error as DjangoDatabaseError
 
 from ..contrib.django.managers import is_contention
-from ..exceptions import ImproperlyConfigured, StoreContention, StoreUnavailable
+from ..exceptions import (
+    ImproperlyConfigured,
+    StoreContention,
+    StoreError,
+    StorePermissionDenied,
+    StoreRefused,
+    StoreUnavailable,
+)
 from .base import (
     Claim,
     ClaimOutcome,
@@ -45,8 +53,10 @@ from .base import (
     LockMeta,
     RevokeOutcome,
     revoked_marker_key,
-    unavailable_on,
+    server_answer,
+    store_errors,
 )
+from .db_codes import classify_driver_error, driver_answer
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -63,20 +73,47 @@ logger = logging.getLogger("celery_dedup")
 UNREACHABLE: tuple[type[BaseException], ...] = (OperationalError, InterfaceError)
 
 E_REFUSED = (
-    "lock store {store}: the database refused its SQL ({error}); have the "
-    "celery_dedup migrations run (manage.py migrate celery_dedup) and does the "
-    "database user have the rights to use its tables?"
+    "{error}; have the celery_dedup migrations run (manage.py migrate celery_dedup) "
+    "and does the database user have the rights to use its tables?"
 )
 
 
-def _refused(exc: DatabaseError) -> bool:
-    """A statement the database refuses: missing tables or rights, not an outage."""
+def _refused(exc: BaseException) -> bool:
+    """A statement the database refuses for missing tables or rights."""
     if isinstance(exc, ProgrammingError):
         return True
     text = str(exc).lower()
     return isinstance(exc, OperationalError) and (
         "no such table" in text or "doesn't exist" in text
     )
+
+
+def classify(exc: BaseException) -> type[StoreError] | None:
+    """What a Django database error means, by the driver's code (``db_codes``) first.
+
+    Without a code, "cannot reach the database" (``OperationalError``,
+    ``InterfaceError``) is ``StoreUnavailable`` unless the text says a table
+    is missing; every other database error is ``StoreRefused``.
+    """
+    if isinstance(exc, DjangoDatabaseError):
+        kind = classify_driver_error(exc.__cause__)
+        if kind is not None:
+            return kind
+        if isinstance(exc, UNREACHABLE) and not _refused(exc):
+            return StoreUnavailable
+        return StoreRefused
+    if isinstance(exc, OSError):
+        return StoreUnavailable
+    return None
+
+
+def _answer(exc: BaseException) -> str:
+    """The driver's error; for missing tables or rights, how to fix them."""
+    cause = exc.__cause__
+    text = driver_answer(cause) if cause is not None else server_answer(exc)
+    if _refused(exc) or classify(exc) is StorePermissionDenied:
+        return E_REFUSED.format(error=text)
+    return text
 
 
 #: Attempts of one operation under contention, and the backoff cap (seconds).
@@ -183,14 +220,10 @@ class DjangoStore:
         for attempt in range(CONTENTION_ATTEMPTS):
             queries = self._queries()
             try:
-                with unavailable_on(UNREACHABLE, self.name, lambda: self.label):
+                with store_errors(classify, self.name, lambda: self.label, _answer):
                     try:
                         return operation(queries)
                     except DatabaseError as exc:
-                        if _refused(exc):
-                            raise ImproperlyConfigured(E_REFUSED.format(
-                                store=self.label, error=f"{type(exc).__name__}: {exc}"
-                            )) from exc
                         if not is_contention(exc):
                             raise
                         reason = type(exc).__name__

@@ -13,18 +13,32 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from enum import Enum
-from functools import cache
 from typing import TYPE_CHECKING, Any
 
-from ..exceptions import ImproperlyConfigured, ScanNotSupported
-from .base import Claim, Lock, LockMeta, LockStore, RevokeOutcome, unavailable_on
+from ..exceptions import (
+    ImproperlyConfigured,
+    ScanNotSupported,
+    StoreError,
+    StoreRefused,
+    StoreUnavailable,
+)
+from .base import (
+    Claim,
+    Lock,
+    LockMeta,
+    LockStore,
+    RevokeOutcome,
+    os_error_kind,
+    refused_unless_passed,
+    store_errors,
+)
+from .db_codes import classify_driver_error
 from .memcached import (
     E_NO_SCAN,
     MAX_KEY_LENGTH,
@@ -186,11 +200,43 @@ class DjangoCacheStore:
         return self.locks().scan(prefix)
 
 
-@cache
-def _generic_unreachable() -> tuple[type[BaseException], ...]:
-    from django.db.utils import InterfaceError, OperationalError
+def classify(exc: BaseException) -> type[StoreError] | None:
+    """What an error of any Django cache backend means.
 
-    return (ConnectionError, socket.timeout, OSError, OperationalError, InterfaceError)
+    Database caches by the driver's code (as the Django DB store), Redis and
+    memcached clients as their stores do, files and sockets by ``errno``; an
+    error wrapping one of those (``__cause__``) as the one it wraps; any
+    other exception from the backend is ``StoreRefused``, while programming
+    errors and time limits (``PASS_THROUGH``) pass unchanged.
+    """
+    kind = _classify_known(exc)
+    if kind is None and exc.__cause__ is not None:
+        kind = _classify_known(exc.__cause__)
+    return kind if kind is not None else refused_unless_passed(exc)
+
+
+def _classify_known(exc: BaseException) -> type[StoreError] | None:
+    from django.db.utils import Error, InterfaceError, OperationalError
+
+    if isinstance(exc, Error):
+        kind = classify_driver_error(exc.__cause__)
+        if kind is not None:
+            return kind
+        return StoreUnavailable if isinstance(exc, (OperationalError, InterfaceError)) else (
+            StoreRefused
+        )
+    module = type(exc).__module__
+    if module.startswith("redis."):
+        from .redis import classify as classify_redis
+
+        return classify_redis(exc)
+    if module.startswith("pymemcache."):
+        from .memcached import classify as classify_memcached
+
+        return classify_memcached(exc)
+    if isinstance(exc, OSError):
+        return os_error_kind(exc)
+    return None
 
 
 _PROCESS_LOCKS: dict[tuple[object, ...], threading.Lock] = {}
@@ -259,8 +305,7 @@ class _GenericCacheLocks(CacheLocks):
 
     @contextmanager
     def _operation(self) -> Iterator[None]:
-        errors = _generic_unreachable()
-        with unavailable_on(errors, self.name, lambda: self.label), self._exclusive():
+        with store_errors(classify, self.name, lambda: self.label), self._exclusive():
             yield
 
     def _physical(self, key: str) -> str:

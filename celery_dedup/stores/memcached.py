@@ -58,7 +58,14 @@ from functools import cache
 from typing import TYPE_CHECKING, Any, TypeAlias
 from urllib.parse import parse_qsl, quote, unquote
 
-from ..exceptions import ImproperlyConfigured, ScanNotSupported, StoreUnavailable
+from ..exceptions import (
+    ImproperlyConfigured,
+    ScanNotSupported,
+    StoreContention,
+    StoreError,
+    StoreRefused,
+    StoreUnavailable,
+)
 from .base import (
     Claim,
     ClaimOutcome,
@@ -66,7 +73,8 @@ from .base import (
     LockMeta,
     RevokeOutcome,
     revoked_marker_key,
-    unavailable_on,
+    server_answer,
+    store_errors,
 )
 
 if TYPE_CHECKING:
@@ -119,9 +127,8 @@ E_KEY_PREFIX = (
     "at most 100 bytes)"
 )
 E_CONTENDED = "lock store {store}: key kept changing during {op} ({attempts} attempts)"
-E_PROTOCOL = (
-    "lock store {store} is unavailable: the server did not answer as memcached does "
-    "(is the URL's port a memcached?): {error}"
+E_PROTOCOL_ANSWER = (
+    "the server did not answer as memcached does (is the URL's port a memcached?): {error}"
 )
 
 
@@ -231,7 +238,7 @@ def _attempts() -> Iterator[int]:
 
 
 class _Contended(Exception):
-    """A key kept changing under ``gets`` + ``cas`` (reported as ``StoreUnavailable``)."""
+    """A key kept changing under ``gets`` + ``cas`` (reported as ``StoreContention``)."""
 
 
 class CacheLocks:
@@ -293,7 +300,7 @@ class CacheLocks:
             with self._operation():
                 yield
         except _Contended:
-            raise StoreUnavailable(
+            raise StoreContention(
                 E_CONTENDED.format(store=self.label, op=op, attempts=CAS_ATTEMPTS),
                 store=self.name,
             ) from None
@@ -473,6 +480,52 @@ def _unreachable() -> tuple[type[BaseException], ...]:
     from pymemcache.exceptions import MemcacheUnexpectedCloseError
 
     return (MemcacheUnexpectedCloseError, ConnectionError, socket.timeout, OSError)
+
+
+@cache
+def _server_errors() -> tuple[type[BaseException], ...]:
+    """``SERVER_ERROR`` answers (out of memory under ``-M``, object too large)."""
+    from pymemcache.exceptions import MemcacheServerError
+
+    return (MemcacheServerError,)
+
+
+@cache
+def _protocol_errors() -> tuple[type[BaseException], ...]:
+    """Answers outside memcached's protocol (pymemcache's parse errors are ``ValueError``)."""
+    from pymemcache.exceptions import MemcacheError
+
+    return (MemcacheError, ValueError)
+
+
+def classify(exc: BaseException) -> type[StoreError] | None:
+    """What a pymemcache or socket error means.
+
+    Unreachable: ``StoreUnavailable``; a ``SERVER_ERROR`` answer:
+    ``StoreRefused``; an answer outside the protocol (another service on the
+    port): ``StoreUnavailable``. Input pymemcache rejects before sending
+    (``MemcacheIllegalInputError``: keys are made safe first, so a bug of
+    ours) passes unchanged.
+    """
+    from pymemcache.exceptions import MemcacheIllegalInputError
+
+    if isinstance(exc, _unreachable()):
+        return StoreUnavailable
+    if isinstance(exc, _server_errors()):
+        return StoreRefused
+    if isinstance(exc, MemcacheIllegalInputError):
+        return None
+    if isinstance(exc, _protocol_errors()):
+        return StoreUnavailable
+    return None
+
+
+def _answer(exc: BaseException) -> str:
+    if isinstance(exc, _protocol_errors()) and not isinstance(
+        exc, (*_unreachable(), *_server_errors())
+    ):
+        return E_PROTOCOL_ANSWER.format(error=server_answer(exc))
+    return server_answer(exc)
 
 
 def _node(server: Server) -> str:
@@ -661,19 +714,8 @@ class MemcachedStore(CacheLocks):
 
     @contextmanager
     def _operation(self) -> Iterator[None]:
-        from pymemcache.exceptions import MemcacheError, MemcacheIllegalInputError
-
-        try:
-            with unavailable_on(_unreachable(), self.name, lambda: self.label):
-                yield
-        except MemcacheIllegalInputError:
-            raise
-        except (MemcacheError, ValueError) as exc:
-            # An answer outside memcached's protocol: another service on that port.
-            raise StoreUnavailable(
-                E_PROTOCOL.format(store=self.label, error=f"{type(exc).__name__}: {exc}"),
-                store=self.name,
-            ) from exc
+        with store_errors(classify, self.name, lambda: self.label, _answer):
+            yield
 
     def _physical(self, key: str) -> str:
         return self.keyprefix + _safe_key(key, MAX_KEY_LENGTH - len(self.keyprefix.encode()))

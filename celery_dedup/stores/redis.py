@@ -20,11 +20,24 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 from redis.commands.core import Script
+from redis.exceptions import (
+    AuthenticationError,
+    AuthorizationError,
+    InvalidResponse,
+    NoPermissionError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import InvalidResponse
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from ..exceptions import StoreUnavailable
+from ..exceptions import (
+    StoreError,
+    StorePermissionDenied,
+    StoreRefused,
+    StoreUnavailable,
+)
 from ..policy import UniqueUntil
 from .base import (
     Claim,
@@ -32,8 +45,8 @@ from .base import (
     Lock,
     LockMeta,
     RevokeOutcome,
-    unavailable,
-    unavailable_on,
+    store_errors,
+    translate,
 )
 from .redis_wire import ScriptWire
 
@@ -291,6 +304,57 @@ UNREACHABLE: tuple[type[BaseException], ...] = (
 )
 
 
+#: Error codes of a server that cannot serve now and will again by itself
+#: (loading its data, a replica without its master, a cluster re-forming):
+#: ``StoreUnavailable``. Every other error answer (``READONLY`` after a
+#: failover, ``OOM`` under ``noeviction``, ``MISCONF``, ``BUSY``,
+#: ``NOREPLICAS``...) is ``StoreRefused``.
+UNAVAILABLE_CODES = frozenset({"LOADING", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN"})
+#: Error codes of an ACL or authentication refusal: ``StorePermissionDenied``.
+PERMISSION_CODES = frozenset({"NOPERM", "NOAUTH", "WRONGPASS"})
+#: Every exception the driver raises (a socket error is an ``OSError``).
+DRIVER_ERRORS: tuple[type[BaseException], ...] = (RedisError, RedisClusterException, OSError)
+
+
+def error_code(exc: BaseException) -> str:
+    """The error code of a Redis error answer (``READONLY``, ``OOM``...), or ``""``.
+
+    redis-py keeps it in ``status_code`` for the answers it maps to a class,
+    else the message starts with it.
+    """
+    code = getattr(exc, "status_code", None)
+    if isinstance(code, str) and code:
+        return code
+    first = str(exc).split(" ", 1)[0]
+    return first if first.isupper() else ""
+
+
+def classify(
+    exc: BaseException, unreachable: tuple[type[BaseException], ...] = UNREACHABLE
+) -> type[StoreError] | None:
+    """What a redis-py error means: the ``StoreError`` class to raise, or None if no driver's.
+
+    ACL and authentication refusals (``NOPERM``, ``NOAUTH``, ``WRONGPASS``):
+    ``StorePermissionDenied``; ``UNAVAILABLE_CODES`` and ``unreachable``:
+    ``StoreUnavailable``; every other error answer or driver error:
+    ``StoreRefused``.
+    """
+    if isinstance(exc, (AuthenticationError, AuthorizationError, NoPermissionError)):
+        return StorePermissionDenied
+    if isinstance(exc, ResponseError):
+        code = error_code(exc)
+        if code in PERMISSION_CODES:
+            return StorePermissionDenied
+        if code in UNAVAILABLE_CODES or isinstance(exc, unreachable):
+            return StoreUnavailable
+        return StoreRefused
+    if isinstance(exc, unreachable):
+        return StoreUnavailable
+    if isinstance(exc, DRIVER_ERRORS):
+        return StoreRefused
+    return None
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -447,10 +511,14 @@ class RedisStore:
             client = _with_options(backend, options)
         return cls(client, keyprefix=keyprefix, label=label)
 
+    def classify(self, exc: BaseException) -> type[StoreError] | None:
+        """What a driver error means (``classify``, with this store's ``unreachable``)."""
+        return classify(exc, self.unreachable)
+
     @contextmanager
     def _boundary(self) -> Iterator[None]:
-        """Translate this store's unreachable errors into ``StoreUnavailable``."""
-        with unavailable_on(self.unreachable, self.name, lambda: self.label):
+        """Translate every driver error into a ``StoreError`` (``classify``)."""
+        with store_errors(self.classify, self.name, lambda: self.label):
             yield
 
     def close(self) -> None:
@@ -465,10 +533,11 @@ class RedisStore:
             if self._wire is not None:
                 return self._wire.evalsha(script.sha, script.script, keys, args)
             return script(keys=keys, args=args)
-        except StoreUnavailable:
-            raise
-        except self.unreachable as exc:
-            raise unavailable(exc, self.name, self.label) from exc
+        except Exception as exc:
+            error = translate(exc, self.classify, self.name, self.label)
+            if error is exc:
+                raise
+            raise error from exc
 
     def _k(self, key: str) -> str:
         return self.keyprefix + key
@@ -576,9 +645,13 @@ class RedisStore:
                 for physical in batch:
                     self._get(keys=[physical], client=pipe)
                 replies = pipe.execute(raise_on_error=False)
+                for raw in replies:
+                    # A key of another type answers WRONGTYPE (not a lock);
+                    # any other error is the server refusing the read.
+                    if isinstance(raw, Exception) and error_code(raw) != "WRONGTYPE":
+                        raise raw
             for physical, raw in zip(batch, replies, strict=True):
-                # Errors are keys of another type; undecodable strings are
-                # not locks (revoked markers, for one).
+                # Undecodable strings are not locks (revoked markers, for one).
                 if raw and not isinstance(raw, Exception):
                     lock = _decode(physical[len(self.keyprefix) :], raw)
                     if lock is not None:

@@ -19,8 +19,8 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+from redis.exceptions import AuthenticationError, AuthorizationError, NoScriptError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 __all__ = ["ScriptWire"]
@@ -83,13 +83,22 @@ def _call(connection: Any, command: tuple[Any, ...]) -> Any:
         return connection.read_response()
 
     try:
-        return connection.retry.call_with_retry(send, lambda _error: connection.disconnect())
+        return connection.retry.call_with_retry(
+            send, lambda _error: connection.disconnect(), is_retryable=_retryable
+        )
     except ResponseError:
         raise  # the server answered: the connection is in a clean state
     except BaseException:
         # A half-read reply must never be read as the next command's.
         connection.disconnect()
         raise
+
+
+def _retryable(error: Exception) -> bool:
+    # redis-py's authentication errors are ConnectionErrors, but a refused
+    # password stays refused: retrying it (around a connect that retries it
+    # again) only delays the answer, by tens of seconds.
+    return not isinstance(error, (AuthenticationError, AuthorizationError))
 
 
 def _ready(connection: Any) -> None:

@@ -53,25 +53,31 @@ from sqlalchemy.exc import (
     DatabaseError,
     DBAPIError,
     NoSuchModuleError,
-    NotSupportedError,
-    ProgrammingError,
+    SQLAlchemyError,
 )
 
-from ..exceptions import ImproperlyConfigured, StoreContention
+from ..exceptions import (
+    ImproperlyConfigured,
+    StoreContention,
+    StoreError,
+    StoreRefused,
+    StoreUnavailable,
+)
 from .base import (
     Claim,
     Lock,
     LockMeta,
     RevokeOutcome,
     revoked_marker_key,
-    unavailable_on,
+    server_answer,
+    store_errors,
 )
+from .db_codes import classify_driver_error, driver_answer
 from .sql_dialects import (
     COUNTER_TABLE,
     E_CONTENTION,
     E_KEY_TOO_LONG,
     E_NO_DIALECT,
-    E_REFUSED,
     KEY_LENGTH,
     LOCK_TABLE,
     REVOKED_TABLE,
@@ -322,14 +328,34 @@ class SQLStore:
         with self._errors():
             self._ready()
 
+    def classify(self, exc: BaseException) -> type[StoreError] | None:
+        """What a driver or SQLAlchemy error means (``db_codes`` for the server's code).
+
+        A dropped connection, or a driver error raised before the server
+        answered (``OperationalError``, ``InterfaceError``, a pool timeout),
+        is ``StoreUnavailable``; any other database error ``StoreRefused``.
+        """
+        if isinstance(exc, DBAPIError):
+            if exc.connection_invalidated:
+                return StoreUnavailable
+            kind = classify_driver_error(exc.orig)
+            if kind is not None:
+                return kind
+        elif isinstance(exc, self._dbapi_error):
+            kind = classify_driver_error(exc)
+            if kind is not None:
+                return kind
+        if isinstance(exc, UNREACHABLE):
+            return StoreUnavailable
+        if isinstance(exc, (SQLAlchemyError, self._dbapi_error, OSError)):
+            return StoreRefused
+        return None
+
     @contextmanager
     def _errors(self) -> Iterator[None]:
-        """The one boundary every driver error crosses into a celery-dedup error."""
-        try:
-            with unavailable_on(UNREACHABLE, self.name, self._describe):
-                yield
-        except (ProgrammingError, NotSupportedError) as exc:
-            raise ImproperlyConfigured(E_REFUSED.format(where=self.label, error=exc.orig)) from exc
+        """The one boundary every driver error crosses into a ``StoreError``."""
+        with store_errors(self.classify, self.name, self._describe, _answer):
+            yield
 
     def _ready(self) -> _Dialect:
         if self._dialect is not None:
@@ -552,6 +578,14 @@ class SQLStore:
 
     def __repr__(self) -> str:
         return f"<SQLStore {self.label}>"
+
+
+def _answer(exc: BaseException) -> str:
+    """The driver's error (never SQLAlchemy's text: it shows the statement's parameters)."""
+    orig = exc.orig if isinstance(exc, DBAPIError) else None
+    if isinstance(orig, BaseException):
+        return driver_answer(orig)
+    return server_answer(exc)
 
 
 def _backoff(tries: int) -> float:
