@@ -82,11 +82,15 @@ dedup_fallback = Signal(
     providing_args=["reason", "action", "error"],
 )
 
-#: A worker did not run a task because another task holds its lock (a message
-#: that bypassed ``apply_async``, or a task replaced by a newer call). The
-#: task ends in state ``IGNORED``. ``task_id`` is the skipped task,
-#: ``existing_task_id`` the holder, ``reason`` ``"replaced"`` or
-#: ``"unannounced duplicate"``. Sent in the worker's pool process.
+#: A worker did not run a delivered message. ``task_id`` is the skipped
+#: task, ``existing_task_id`` the holder, ``reason`` one of:
+#: ``"replaced"``, ``"unannounced duplicate"`` (a message that bypassed
+#: ``apply_async``), ``"held by another publish"`` (state ``IGNORED``);
+#: ``"revoked"`` (state ``REVOKED``); ``"already ran"`` (a copy the broker
+#: redelivered after its run completed: no state, the id is the run's);
+#: ``"deferred: …"`` (a copy that arrived while another copy runs, or while
+#: the store could not answer: published again for later, no state).
+#: Sent in the worker's pool process.
 task_skipped = Signal(
     name="task_skipped",
     providing_args=["key", "task_id", "existing_task_id", "reason"],

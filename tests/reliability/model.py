@@ -237,6 +237,39 @@ class Holding:
         )
 
 
+#: ``task_skipped`` reasons of a redelivered copy that ran nothing and
+#: touched no lock: another copy of the same attempt ran or is running.
+COPY_REASONS: tuple[str, ...] = ("already ran", "deferred")
+
+
+def without_copies(events: list[Event]) -> list[Event]:
+    """A message's events without those of its redelivered copies.
+
+    A copy refused by its run record (``already ran``, or ``deferred``
+    while another copy runs) records a ``prerun``, the skip and an
+    ``IGNORED`` ``postrun`` in one process, and neither runs the body nor
+    touches the lock: it is not the message ending.
+    """
+    dropped: set[int] = set()
+    for i, event in enumerate(events):
+        if event.kind != "skipped" or not event.outcome.startswith(COPY_REASONS):
+            continue
+        dropped.add(i)
+        before = [
+            j for j in range(i) if events[j].kind == "prerun" and events[j].pid == event.pid
+        ]
+        if before:
+            dropped.add(before[-1])
+        after = [
+            j
+            for j in range(i + 1, len(events))
+            if events[j].kind == "postrun" and events[j].pid == event.pid
+        ]
+        if after:
+            dropped.add(after[0])
+    return [e for i, e in enumerate(events) if i not in dropped]
+
+
 class _Checker:
     def __init__(self, trace: Trace, margin: float, ttl_slack: float = 0.0) -> None:
         self.trace = trace
@@ -249,6 +282,8 @@ class _Checker:
         by_token: dict[str, list[Event]] = defaultdict(list)
         for event in sorted(trace.events, key=lambda e: e.t):
             by_token[event.token].append(event)
+        for token, events in by_token.items():
+            by_token[token] = without_copies(events)
         self.holdings = [
             Holding(call, by_token.get(call.token, []))
             for call in trace.calls

@@ -301,3 +301,44 @@ def test_ttl_slack_allows_a_coarse_store_to_keep_a_lock_longer() -> None:
     early = Trace(calls=calls, events=run("ta", "A", 0.2), scans=[scan(0.5)])
     assert kinds(early) == [Kind.MISSING]
     assert [f.kind for f in check(early, ttl_slack=4.0)] == [Kind.MISSING]
+
+
+def copy(tok: str, tid: str, t: float, reason: str, pid: int = 2) -> list[Event]:
+    """A redelivered copy refused by its run record: prerun, skip, IGNORED postrun."""
+    common: dict[str, Any] = {"token": tok, "task_id": tid, "pid": pid}
+    return [
+        Event("prerun", t=t, **common),
+        Event("skipped", t=t + 0.01, outcome=reason, **common),
+        Event("postrun", t=t + 0.02, outcome="IGNORED", **common),
+    ]
+
+
+def test_redelivered_copies_refused_by_their_run_record_end_nothing() -> None:
+    """A copy deferred before the body starts, and one skipped after a failure, end nothing.
+
+    Under ``success`` a failed run keeps its lock for its TTL: the copies'
+    IGNORED postruns must not be taken for the message's end (a lock seen
+    afterwards is no leak, a body starting after the deferral no duplicate).
+    """
+    trace = Trace(
+        calls=[published(0.0, "A", "ta")],
+        events=sorted(
+            [
+                *copy("ta", "A", 0.9, "deferred: a copy of it is running"),
+                *run("ta", "A", 1.0, outcome="failure"),
+                *copy("ta", "A", 2.0, "already ran"),
+            ],
+            key=lambda e: e.t,
+        ),
+        scans=[scan(3.0, ("ta", "A", 10.0))],
+    )
+    assert check(trace) == []
+
+
+def test_a_copy_that_runs_the_body_again_is_still_a_duplicate() -> None:
+    """Only refused copies are set aside: a second body run after the first ended is reported."""
+    trace = Trace(
+        calls=[published(0.0, "A", "ta")],
+        events=[*run("ta", "A", 1.0), *run("ta", "A", 3.0, pid=2)],
+    )
+    assert Kind.DUPLICATE in kinds(trace)

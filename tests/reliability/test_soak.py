@@ -8,6 +8,7 @@ stores (comma-separated ids below, default ``redis``; ``all`` for every one).
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import time
@@ -59,11 +60,32 @@ def describe(trace: Trace) -> str:
     return f"calls {dict(calls)}; revokes {dict(revokes)}; events {dict(sorted(events.items()))}"
 
 
+#: Faults the soak runs under: ``redelivery`` gives the Redis broker a 1 s
+#: ``visibility_timeout`` (restored every second) and draws countdowns up to
+#: 3 s, so every message waiting for its ETA is delivered again, several times.
+FAULTS = {
+    "none": ({}, 1.5),
+    "redelivery": (
+        {
+            "broker_transport_options": {
+                "visibility_timeout": 1,
+                "unacked_restore_interval": 1,
+                "unacked_restore_throttle": 1,
+            },
+            "dedup_lease_ttl": 3,
+        },
+        3.0,
+    ),
+}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
+@pytest.mark.parametrize("fault", list(FAULTS))
 @pytest.mark.parametrize("fixture", STORES)
 def test_soak_finds_no_violation(
     fixture: str,
+    fault: str,
     backends: Backends,
     recorder: Recorder,
     workers: WorkerPool,
@@ -72,8 +94,9 @@ def test_soak_finds_no_violation(
 ) -> None:
     """2 workers with 2 prefork children each; the checker reports 0 of every kind."""
     url = store_url(fixture, backends, request)
-    plan = SoakPlan.from_env()
-    conf = backends.conf(dedup_store=url)
+    settings, max_countdown = FAULTS[fault]
+    plan = dataclasses.replace(SoakPlan.from_env(), max_countdown=max_countdown)
+    conf = backends.conf(dedup_store=url, **settings)
     workers.start(conf, count=2, concurrency=2)
     store = store_from_url(url)
     context = multiprocessing.get_context("spawn")
@@ -94,7 +117,7 @@ def test_soak_finds_no_violation(
     (tmp_path / "trace.json").write_text(trace.to_json())
     # memcached counts TTLs in whole seconds: a lock may outlive its TTL by ~4 s (documented).
     findings = check(trace, ttl_slack=4.0 if fixture == "store_memcached" else 0.0)
-    report = f"seed {plan.seed}, {scanner.count} scans; {describe(trace)}"
+    report = f"{fault}: seed {plan.seed}, {scanner.count} scans; {describe(trace)}"
     assert not findings, f"{summary(findings)}\n{report}\ntrace: {tmp_path / 'trace.json'}"
     # The run exercised what it claims to (not a vacuous pass).
     outcomes = Counter(c.outcome for c in trace.calls)

@@ -41,6 +41,9 @@ class SoakPlan:
     #: calls per second, all producers together
     rate: float
     seed: int
+    #: the longest countdown drawn (longer than the broker's visibility
+    #: timeout in the redelivery fault: every waiting copy is redelivered)
+    max_countdown: float = 1.5
 
     @classmethod
     def from_env(cls) -> SoakPlan:
@@ -57,6 +60,7 @@ class Workload:
 
     rng: random.Random
     keys: int
+    max_countdown: float = 1.5
 
     @staticmethod
     def profile(n: int) -> dict[str, Any]:
@@ -77,7 +81,7 @@ class Workload:
         options["on_duplicate"] = on_duplicate
         pick = rng.random()
         if pick < 0.10:
-            options["countdown"] = round(rng.uniform(0.2, 1.5), 3)
+            options["countdown"] = round(rng.uniform(0.2, self.max_countdown), 3)
         elif pick < 0.13:
             options["expires"] = -1.0
         elif pick < 0.16:
@@ -100,7 +104,7 @@ def produce(
     task = work_task(app)
     recorder = Recorder(recorder_url)
     producer = Producer(recorder)
-    workload = Workload(random.Random(plan.seed * 100 + index), plan.keys)
+    workload = Workload(random.Random(plan.seed * 100 + index), plan.keys, plan.max_countdown)
     interval = plan.producers / plan.rate
     revokes: list[tuple[float, Any]] = []
 
