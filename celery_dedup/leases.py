@@ -15,7 +15,8 @@ import os
 import threading
 from typing import Any
 
-from .runs import Run, renew
+from .runs import records_of
+from .stores.base import LockStore, RunRef
 
 __all__ = ["lease_of", "remember", "renew_active"]
 
@@ -59,35 +60,36 @@ class _Renewer:
 _renewer = _Renewer()
 
 
-def remember(request: Any, run: Run, lease: float) -> None:
-    """Attach ``run`` to a received request and make sure the renewer runs."""
-    setattr(request, _ATTR, (run, lease))
+def remember(request: Any, store: LockStore, run: RunRef, lease: float) -> None:
+    """Attach ``run`` (kept in ``store``) to a received request; make sure the renewer runs."""
+    setattr(request, _ATTR, (store, run, lease))
     _renewer.start(lease)
 
 
-def lease_of(request: Any) -> tuple[Run, float] | None:
-    """The run attached to a received request, if any."""
-    found: tuple[Run, float] | None = getattr(request, _ATTR, None)
+def lease_of(request: Any) -> tuple[LockStore, RunRef, float] | None:
+    """The ``(store, run, lease)`` attached to a received request, if any."""
+    found: tuple[LockStore, RunRef, float] | None = getattr(request, _ATTR, None)
     return found
 
 
-def _active_runs() -> dict[float, list[Run]]:
+def _active_runs() -> dict[tuple[int, float], tuple[LockStore, list[RunRef]]]:
     from celery.worker import state as worker_state
 
-    by_lease: dict[float, list[Run]] = {}
+    groups: dict[tuple[int, float], tuple[LockStore, list[RunRef]]] = {}
     for request in list(worker_state.active_requests):
         found = lease_of(request)
         if found is not None:
-            by_lease.setdefault(found[1], []).append(found[0])
-    return by_lease
+            store, run, lease = found
+            groups.setdefault((id(store), lease), (store, []))[1].append(run)
+    return groups
 
 
 def renew_active() -> int:
     """Renew the lease of every active request of this worker (one pass)."""
     renewed = 0
-    for lease, runs in _active_runs().items():
+    for (_, lease), (store, runs) in _active_runs().items():
         try:
-            renewed += renew(runs, lease)
+            renewed += records_of(store).renew_runs(runs, lease)
         except Exception as exc:  # a store outage: the next pass tries again
             logger.warning("celery-dedup: could not renew %d running leases: %s", len(runs), exc)
     return renewed

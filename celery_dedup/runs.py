@@ -7,68 +7,46 @@ or already ran. Each *attempt* of a publish (its retry count and
 replacement depth: a ``self.retry()`` is a new attempt) therefore gets a
 run record in the lock store, beside its lock:
 
-* a **running lease** (``RUNNING_POLICY``), taken by the copy whose body
-  starts, owned by that copy's *delivery token* (a fresh token per received
-  message) and kept alive by the worker's main process (``leases``) while
-  the body runs. A copy that finds a live lease is deferred, not run; a
-  crashed run's lease lapses (or is given up when the worker sees its child
-  die), and a copy then runs.
-* a **done marker** (``DONE_POLICY``) written when the attempt ends, before
-  its lock is released: a copy that finds it is acknowledged without
-  running. It lives ``done_ttl`` seconds.
+* a **running lease**, taken by the copy whose body starts, owned by that
+  copy's *delivery token* (a fresh token per received message) and kept
+  alive by the worker's main process (``leases``) while the body runs. A
+  copy that finds a live lease is deferred, not run; a crashed run's lease
+  lapses (or is given up when the worker sees its child die), and a copy
+  then runs.
+* a **done marker**, written when the attempt ends, before its lock is
+  released: a copy that finds it is acknowledged without running. It lives
+  ``done_ttl`` seconds.
 
-Records are plain TTL locks of the store protocol under their own
-namespace (``run_record_key``), so every store keeps them with the
-operations it already makes atomic.
+A store with ``RunRecords`` keeps them natively (one round trip at start,
+one at the end); any other store keeps them as plain TTL locks under their
+own namespace (``run_record_key``), with the operations it already makes
+atomic (``StoreRuns``: two round trips at start and two at the end).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from enum import Enum
+from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
 
-from .stores.base import DONE_POLICY, RUNNING_POLICY, Lock, LockStore, run_record_key
+from .stores.base import (
+    DONE_POLICY,
+    RUNNING_POLICY,
+    Claim,
+    LockMeta,
+    LockStore,
+    RunOutcome,
+    RunRecords,
+    RunRef,
+)
 
 __all__ = [
     "DELIVERY_FIELD",
-    "Run",
-    "RunState",
-    "abandon",
+    "StoreRuns",
     "attempt_of",
-    "begin",
-    "complete",
     "done_ttl_for",
-    "renew",
-    "run_for",
+    "records_of",
 ]
-
-
-class RunState(str, Enum):
-    """What ``begin`` found for an attempt."""
-
-    #: no other copy is running or ran: this copy runs (it holds the lease)
-    BEGUN = "begun"
-    #: another copy of this attempt is running now (its lease is live)
-    RUNNING = "running"
-    #: another copy of this attempt completed
-    DONE = "done"
-
-
-@dataclass(frozen=True)
-class Run:
-    """The run record of one copy of one attempt."""
-
-    store: LockStore
-    #: the record's store key (``run_record_key``)
-    record: str
-    #: this copy's delivery token: owns the lease
-    token: str
-    #: the lock key, for logs
-    key: str
-
 
 #: The field a worker adds to a received message's request: its delivery token.
 DELIVERY_FIELD = "dedup_delivery"
@@ -83,54 +61,68 @@ def attempt_of(request: Any) -> str:
     return f"{get('retries', None) or 0}.{get('replaced_task_nesting', None) or 0}"
 
 
-def run_for(store: LockStore, key: str, owner: str, attempt: str, token: str) -> Run:
-    """The run record of ``token``'s copy of ``attempt`` of ``owner``'s publish on ``key``."""
-    return Run(store, run_record_key(key, owner, attempt), token, key)
+def records_of(store: LockStore) -> RunRecords:
+    """The run records of ``store``: its own, or built from its lock operations."""
+    if isinstance(store, RunRecords):
+        return store
+    return StoreRuns(store)
 
 
-def _meta(task_name: str, task_id: str, policy: str) -> Mapping[str, str]:
-    return {"task_name": task_name, "policy": policy, "task_id": task_id}
+def _record_meta(meta: LockMeta, policy: str) -> Mapping[str, str]:
+    return {
+        "task_name": meta.get("task_name", ""),
+        "policy": policy,
+        "task_id": meta.get("task_id", ""),
+    }
 
 
-def begin(run: Run, lease: float, task_name: str, task_id: str) -> tuple[RunState, Lock | None]:
-    """Take the lease for ``run`` unless another copy runs or ran (one round trip)."""
-    holder = run.store.acquire(
-        run.record, run.token, lease, _meta(task_name, task_id, RUNNING_POLICY)
-    )
-    if holder is None or holder.owner == run.token:
-        return RunState.BEGUN, None
-    if holder.policy == DONE_POLICY:
-        return RunState.DONE, holder
-    return RunState.RUNNING, holder
+class StoreRuns:
+    """Run records kept as TTL locks of any ``LockStore`` (``run_record_key``).
 
-
-def complete(run: Run, done_ttl: float, task_name: str, task_id: str) -> None:
-    """The attempt ended: replace the lease by the done marker (one round trip)."""
-    run.store.take_over(run.record, run.token, done_ttl, _meta(task_name, task_id, DONE_POLICY))
-
-
-def abandon(run: Run) -> bool:
-    """Give the lease up: the run did not complete and a copy may run now."""
-    return run.store.release(run.record, run.token)
-
-
-def renew(runs: Iterable[Run], lease: float) -> int:
-    """Keep the leases of ``runs`` alive for ``lease`` more seconds; how many were renewed.
-
-    A store with ``extend_many`` renews all of its runs in one round trip;
-    others take one per run.
+    The lease is a lock owned by the delivery token (policy
+    ``RUNNING_POLICY``); the done marker replaces it (``DONE_POLICY``).
     """
-    by_store: dict[int, tuple[LockStore, list[Run]]] = {}
-    for run in runs:
-        by_store.setdefault(id(run.store), (run.store, []))[1].append(run)
-    renewed = 0
-    for store, mine in by_store.values():
-        extend_many = getattr(store, "extend_many", None)
-        if extend_many is not None:
-            renewed += int(extend_many([(r.record, r.token) for r in mine], lease))
-        else:
-            renewed += sum(1 for r in mine if store.extend(r.record, r.token, lease))
-    return renewed
+
+    def __init__(self, store: LockStore) -> None:
+        self.store = store
+
+    def claim_run(
+        self,
+        run: RunRef,
+        lease: float,
+        meta: LockMeta,
+        *,
+        release: bool,
+        ttl: float | None,
+    ) -> tuple[RunOutcome, Claim | None]:
+        """Take the lease (one round trip), then the start claim (another)."""
+        holder = self.store.acquire(
+            run.record, run.token, lease, _record_meta(meta, RUNNING_POLICY)
+        )
+        if holder is not None and holder.owner != run.token:
+            done = holder.policy == DONE_POLICY
+            return (RunOutcome.DONE if done else RunOutcome.RUNNING), None
+        claim = self.store.claim(run.key, run.owner, release=release, ttl=ttl, meta=meta)
+        return RunOutcome.BEGUN, claim
+
+    def end_run(
+        self, run: RunRef, done_ttl: float, meta: LockMeta, *, release: bool | None
+    ) -> bool:
+        """Write the done marker (one round trip), then release or settle (another)."""
+        self.store.take_over(run.record, run.token, done_ttl, _record_meta(meta, DONE_POLICY))
+        if release is None:
+            return False
+        if release:
+            return self.store.release(run.key, run.owner)
+        return self.store.settle(run.key, run.owner)
+
+    def abandon_run(self, run: RunRef) -> bool:
+        """Delete the lease if this copy holds it."""
+        return self.store.release(run.record, run.token)
+
+    def renew_runs(self, runs: Sequence[RunRef], lease: float) -> int:
+        """One ``extend`` per run."""
+        return sum(1 for run in runs if self.store.extend(run.record, run.token, lease))
 
 
 def done_ttl_for(

@@ -36,9 +36,8 @@ from .header import HEADER, LockHeader, new_token, read_header
 from .identity import deterministic_task_id
 from .options import Fallback
 from .policy import UniqueUntil, lock_ttl
-from .runs import Run, RunState
 from .signals import lock_acquired, lock_released, task_skipped
-from .stores.base import Claim, ClaimOutcome, Lock, LockStore
+from .stores.base import Claim, ClaimOutcome, Lock, LockStore, RunOutcome, RunRef
 
 if TYPE_CHECKING:
     from .task import DedupTask
@@ -109,7 +108,7 @@ class Held:
     #: set when the lock passed to a replacement (``self.replace()``)
     handed_over: bool = False
     #: this copy's run record (``None``: eager, or the store did not answer)
-    run: Run | None = None
+    run: RunRef | None = None
     #: the start claim could not reach the store: the lock may not be this run's
     unchecked: bool = False
     #: ``unique_until="start"``: released by the start claim already
@@ -365,27 +364,22 @@ def claim_at_start(
     guarded = owner.startswith(GUARD_PREFIX)
     release_now = until is UniqueUntil.START
     retake = guarded or until is UniqueUntil.SUCCESS or until is UniqueUntil.FINISH
-    run = _run_of(store, request, key, owner)
-    begun = False
+    run = _run_of(request, key, owner)
+    meta = meta_for(task, task_id, until)
+    ttl = header.unique_for if retake else None
     try:
-        if run is not None:
-            _begin(task, request, run, task_id, args, kwargs)
-            begun = True
-        claim = store.claim(
-            key,
-            owner,
-            release=release_now,
-            ttl=header.unique_for if retake else None,
-            meta=meta_for(task, task_id, until),
-        )
+        if run is None:
+            claim = store.claim(key, owner, release=release_now, ttl=ttl, meta=meta)
+        else:
+            claim = _claim_run(task, request, store, run, meta, release_now, ttl, args, kwargs)
     except StoreError as exc:
-        return _claim_failed(task, request, header, owner, task_id, args, kwargs, exc, run, begun)
+        return _claim_failed(task, request, header, owner, task_id, args, kwargs, exc, run)
     held = Held(store, header, key, owner, task_id, run=run, released=release_now)
     if claim.outcome is not ClaimOutcome.OWNED:
         try:
             _not_owned(task, store, header, owner, task_id, claim, retake)
         except (Ignore, Retry):
-            _complete_run(task, held)  # this attempt ends here: its copies end too
+            _end_quietly(task, held, None)  # this attempt ends here: its copies end too
             raise
     if release_now and claim.outcome is ClaimOutcome.OWNED:
         _count_release(task, key, task_id, "start")
@@ -394,23 +388,39 @@ def claim_at_start(
     return held
 
 
-def _run_of(store: LockStore, request: Any, key: str, owner: str) -> Run | None:
-    """The run record of this copy: it has one when its worker gave it a delivery token."""
+def _run_of(request: Any, key: str, owner: str) -> RunRef | None:
+    """This copy's run: it has one when its worker gave it a delivery token."""
     token = getattr(request, runs.DELIVERY_FIELD, None)
     if not token:
         return None
-    return runs.run_for(store, key, owner, runs.attempt_of(request), str(token))
+    return RunRef(key, owner, runs.attempt_of(request), str(token))
 
 
-def _begin(task: DedupTask, request: Any, run: Run, task_id: str, args: Any, kwargs: Any) -> None:
-    """Take this copy's running lease; a copy of a running or completed attempt does not run."""
-    settings = task.dedup_config().runtime.settings
-    state, _ = runs.begin(run, settings.lease_ttl, task.name, task_id)
-    if state is RunState.DONE:
+def _claim_run(
+    task: DedupTask,
+    request: Any,
+    store: LockStore,
+    run: RunRef,
+    meta: Mapping[str, str],
+    release_now: bool,
+    ttl: float | None,
+    args: Any,
+    kwargs: Any,
+) -> Claim:
+    """Take this copy's running lease and its start claim; a copy of a running or
+    completed attempt does not run (``Ignore``).
+    """
+    lease = task.dedup_config().runtime.settings.lease_ttl
+    outcome, claim = runs.records_of(store).claim_run(
+        run, lease, meta, release=release_now, ttl=ttl
+    )
+    if outcome is RunOutcome.DONE:
         # The same publish ran to its end already: a copy the broker redelivered.
-        _skip(task, task_id, run.key, task_id, "already ran")
-    if state is RunState.RUNNING:
-        _defer(task, request, args, kwargs, run.key, "a copy of it is running", settings.lease_ttl)
+        _skip(task, request.id, run.key, request.id, "already ran")
+    if outcome is RunOutcome.RUNNING:
+        _defer(task, request, args, kwargs, run.key, "a copy of it is running", lease)
+    assert claim is not None
+    return claim
 
 
 def _claim_failed(
@@ -422,8 +432,7 @@ def _claim_failed(
     args: Any,
     kwargs: Any,
     exc: StoreError,
-    run: Run | None,
-    begun: bool,
+    run: RunRef | None,
 ) -> Held:
     """The start claim got no answer it can use: the fallback decides, nothing is lost.
 
@@ -436,8 +445,8 @@ def _claim_failed(
     key = header.key
     assert key is not None
     if isinstance(exc, StoreContention) or runtime.settings.fallback is Fallback.CLOSED:
-        if begun and run is not None:
-            _abandon_run(task, run)
+        if run is not None:
+            _abandon_run(task, runtime.store or _never(), run)
         _defer(task, request, args, kwargs, key, f"the store did not answer: {exc}", None)
     logger.warning("celery-dedup: %s[%s] runs unchecked: %s", task.name, task_id, exc)
     return Held(
@@ -446,7 +455,7 @@ def _claim_failed(
         key,
         owner,
         task_id,
-        run=run if begun else None,
+        run=run,
         unchecked=True,
     )
 
@@ -497,20 +506,32 @@ def _defer(
     raise Ignore(f"celery-dedup: deferred ({reason})")
 
 
-def _complete_run(task: DedupTask, held: Held) -> None:
-    """Write this attempt's done marker (a store error is logged: copies may run again)."""
-    run = held.run
-    if run is None:
-        return
+def _done_ttl(task: DedupTask, held: Held) -> float:
     settings = task.dedup_config().runtime.settings
-    done_ttl = runs.done_ttl_for(
+    return runs.done_ttl_for(
         held.header.unique_for or settings.default_ttl,
         settings.lease_ttl,
         settings.visibility_timeout,
         settings.done_ttl,
     )
+
+
+def _end_quietly(task: DedupTask, held: Held, release: bool | None) -> bool:
+    """End this attempt's run (done marker) and release or settle its lock in one step.
+
+    A store error is logged, never raised: a release that did not land is
+    retried as soon as the store answers; a done marker that did not land
+    lets a late copy run again (documented).
+    """
+    run = held.run
+    assert run is not None
     try:
-        runs.complete(run, done_ttl, task.name, held.task_id)
+        return runs.records_of(held.store).end_run(
+            run,
+            _done_ttl(task, held),
+            meta_for(task, held.task_id, held.header.until),
+            release=release,
+        )
     except StoreError as exc:
         logger.warning(
             "celery-dedup: could not record the end of %s[%s] (lock %s): %s",
@@ -519,12 +540,16 @@ def _complete_run(task: DedupTask, held: Held) -> None:
             short(held.key),
             exc,
         )
+        if release:
+            runtime = task.dedup_config().runtime
+            runtime.add_orphan(held.key, held.owner, runtime.settings.revoked_ttl)
+        return False
 
 
-def _abandon_run(task: DedupTask, run: Run) -> None:
+def _abandon_run(task: DedupTask, store: LockStore, run: RunRef) -> None:
     """Give this copy's lease up: the run did not complete, a copy may run now."""
     try:
-        runs.abandon(run)
+        runs.records_of(store).abandon_run(run)
     except StoreError as exc:
         logger.warning(
             "celery-dedup: could not give up the running lease of %s (lock %s): "
@@ -611,33 +636,37 @@ def _remember_guard(request: Any, header: LockHeader) -> None:
 def finish(task: DedupTask, held: Held, outcome: Outcome) -> None:
     """Apply the policy when the run ends, before the result is stored.
 
-    The attempt's done marker is written first (a copy arriving from now on
-    is acknowledged without running; a requeued message's lease is given up
-    instead). Then the lock is released when the policy says so; otherwise
-    the kept lock is settled (marked not started: nothing runs under it any
-    more, so a revoke frees it at once). A lock handed to a replacement is
-    left to it. A store error never changes the run's outcome: a release
-    that did not land is retried as soon as the store answers.
+    The attempt's done marker is written first, in the same store call (a
+    copy arriving from now on is acknowledged without running; a requeued
+    message's lease is given up instead). Then the lock is released when
+    the policy says so; otherwise the kept lock is settled (marked not
+    started: nothing runs under it any more, so a revoke frees it at once).
+    A lock handed to a replacement, or released at start, is left alone. A
+    store error never changes the run's outcome: a release that did not
+    land is retried as soon as the store answers.
     """
-    if outcome is Outcome.REQUEUED and held.run is not None:
-        _abandon_run(task, held.run)
-    else:
-        _complete_run(task, held)
-    if held.handed_over or held.released or outcome is Outcome.RETRIED:
+    action: bool | None = None
+    if not (held.handed_over or held.released or outcome is Outcome.RETRIED):
+        action = outcome.releases(held.header.until)
+    if held.run is not None and outcome is not Outcome.REQUEUED:
+        if _end_quietly(task, held, action) and action:
+            _count_release(task, held.key, held.task_id, outcome.value)
         return
-    if outcome.releases(held.header.until):
+    if held.run is not None:
+        _abandon_run(task, held.store, held.run)  # requeued: the message must run again
+    if action:
         release(task, held.store, held.key, held.owner, held.task_id, outcome.value)
-        return
-    try:
-        held.store.settle(held.key, held.owner)
-    except StoreError as exc:
-        logger.warning(
-            "celery-dedup: could not settle lock %s of %s[%s]: %s",
-            short(held.key),
-            task.name,
-            held.task_id,
-            exc,
-        )
+    elif action is False:
+        try:
+            held.store.settle(held.key, held.owner)
+        except StoreError as exc:
+            logger.warning(
+                "celery-dedup: could not settle lock %s of %s[%s]: %s",
+                short(held.key),
+                task.name,
+                held.task_id,
+                exc,
+            )
 
 
 def _eager_started() -> set[str]:
@@ -698,7 +727,7 @@ def release_killed_run(task: DedupTask, request: Any, outcome: Outcome) -> None:
     found = leases.lease_of(request)
     if found is not None:
         # The attempt ended (killed by a time limit or a revoke): its copies must not run.
-        _complete_run(task, Held(store, header, header.key, "", str(request.id), run=found[0]))
+        _end_quietly(task, Held(store, header, header.key, "", str(request.id), run=found[1]), None)
     if _killed_run_releases(header, outcome):
         task_id = str(request.id)
         release(task, store, header.key, header.owner(task_id), task_id, outcome.value)
@@ -728,10 +757,8 @@ def _give_delivery_token(task: DedupTask, request: Any) -> None:
     if store is None:
         return
     token = request_dict[runs.DELIVERY_FIELD] = new_token()
-    run = runs.run_for(
-        store, header.key, header.owner(str(request.id)), runs.attempt_of(request_dict), token
-    )
-    leases.remember(request, run, runtime.settings.lease_ttl)
+    run = RunRef(header.key, header.owner(str(request.id)), runs.attempt_of(request_dict), token)
+    leases.remember(request, store, run, runtime.settings.lease_ttl)
 
 
 def _guard_unannounced(task: DedupTask, request: Any) -> None:
@@ -801,7 +828,7 @@ def abandon_lost_run(request: Any) -> None:
     found = leases.lease_of(request)
     task: Any = getattr(request, "task", None)
     if found is not None and hasattr(task, "dedup_config"):
-        _abandon_run(task, found[0])
+        _abandon_run(task, found[0], found[1])
 
 
 def _remember_request(sender: Any = None, request: Any = None, **_: Any) -> None:

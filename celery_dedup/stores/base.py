@@ -14,7 +14,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
@@ -45,6 +45,9 @@ __all__ = [
     "LockMeta",
     "LockStore",
     "RevokeOutcome",
+    "RunOutcome",
+    "RunRecords",
+    "RunRef",
     "os_error_kind",
     "refused_unless_passed",
     "revoked_marker_key",
@@ -236,6 +239,73 @@ class LockStore(Protocol):
 
     def scan(self, prefix: str) -> Iterator[Lock]:
         """Yield every live lock whose key starts with ``prefix``."""
+
+
+class RunOutcome(str, Enum):
+    """What ``RunRecords.claim_run`` found for an attempt."""
+
+    #: no other copy of the attempt runs or ran: this copy holds the lease
+    BEGUN = "begun"
+    #: another copy of the attempt is running (its lease is live)
+    RUNNING = "running"
+    #: another copy of the attempt completed (its done marker is live)
+    DONE = "done"
+
+
+@dataclass(frozen=True)
+class RunRef:
+    """One copy of one attempt of a publish: whose run record it is."""
+
+    key: str
+    owner: str
+    #: the attempt (``retries.replacement depth``): copies share it
+    attempt: str
+    #: this copy's delivery token: owns the lease
+    token: str
+
+    @property
+    def record(self) -> str:
+        """The store key of the attempt's run record (stores without a layout of their own)."""
+        return run_record_key(self.key, self.owner, self.attempt)
+
+
+@runtime_checkable
+class RunRecords(Protocol):
+    """**Protocol:** a store that keeps run records beside its locks natively.
+
+    One round trip per call, atomic on the server. A store without it gets
+    run records built from its lock operations (two round trips at start
+    and at the end instead of one).
+    """
+
+    def claim_run(
+        self,
+        run: RunRef,
+        lease: float,
+        meta: LockMeta,
+        *,
+        release: bool,
+        ttl: float | None,
+    ) -> tuple[RunOutcome, Claim | None]:
+        """Take the attempt's lease, then the start claim (``claim``), in one step.
+
+        When another copy's lease or done marker is live, answers
+        ``RUNNING`` or ``DONE`` and leaves the lock untouched (``None``).
+        """
+
+    def end_run(
+        self, run: RunRef, done_ttl: float, meta: LockMeta, *, release: bool | None
+    ) -> bool:
+        """Replace the lease by the done marker, then release the lock (``True``),
+        settle it (``False``) or leave it (``None``). Returns whether the owner
+        held the lock it released or settled.
+        """
+
+    def abandon_run(self, run: RunRef) -> bool:
+        """Delete the lease if ``run``'s copy holds it (the run did not complete)."""
+
+    def renew_runs(self, runs: Sequence[RunRef], lease: float) -> int:
+        """Set the lease of each run its copy holds to ``lease`` seconds; how many."""
 
 
 @runtime_checkable

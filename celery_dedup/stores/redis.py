@@ -45,6 +45,8 @@ from .base import (
     Lock,
     LockMeta,
     RevokeOutcome,
+    RunOutcome,
+    RunRef,
     store_errors,
     translate,
 )
@@ -276,6 +278,74 @@ end
 return false
 """
 
+# Run records (``RunRecords``): one string per attempt of a publish, in the
+# lock's hash slot: "L<delivery token>" while a copy runs (the lease), then
+# "D<delivery token>" once the attempt ended (the done marker).
+
+# KEYS[1..2] - as CLAIM
+# KEYS[3] - the attempt's run record (same hash slot)
+# ARGV[1] - this copy's delivery token
+# ARGV[2] - lease in milliseconds
+# ARGV[3..] - as CLAIM's ARGV[1..]
+# return {"running"} or {"done"} (lock untouched), else CLAIM's answer
+CLAIM_RUN = (
+    _PRELUDE
+    + """
+local run = redis.call('get', KEYS[3])
+if run and string.sub(run, 2) ~= ARGV[1] then
+    return {string.sub(run, 1, 1) == 'D' and 'done' or 'running'}
+end
+redis.call('set', KEYS[3], 'L' .. ARGV[1], 'PX', ARGV[2])
+local A = {unpack(ARGV, 3)}
+"""
+    + CLAIM[len(_PRELUDE) :]
+    .replace("ARGV[", "A[")
+    .replace("write(KEYS[1], A[4], A[3], 5)", "write(KEYS[1], A[4], A[3], 7)")
+)
+
+# KEYS[1] - lock key
+# KEYS[2] - the attempt's run record (same hash slot)
+# ARGV[1] - owner token (encoded)
+# ARGV[2] - this copy's delivery token
+# ARGV[3] - done marker ttl in milliseconds
+# ARGV[4] - "release", "settle" or "" (leave the lock)
+# return 1 if the owner held the lock it released or settled, else 0
+END_RUN = _PRELUDE + """
+redis.call('set', KEYS[2], 'D' .. ARGV[2], 'PX', ARGV[3])
+if ARGV[4] == '' then
+    return 0
+end
+local v, h = read(KEYS[1])
+if not (v and owns(v, ARGV[1])) then
+    return 0
+end
+if ARGV[4] == 'release' then
+    return redis.call('del', KEYS[1])
+end
+if string.byte(v, 1) == 49 then
+    if h then
+        redis.call('hdel', KEYS[1], 'st')
+    else
+        redis.call('setrange', KEYS[1], 0, '0')
+    end
+end
+return 1
+"""
+
+# KEYS[1] - a run record
+# ARGV[1] - the delivery token
+# ARGV[2] - lease in milliseconds, or "" to delete the lease
+# return 1 if the token holds the lease (renewed or deleted), else 0
+LEASE = """
+if redis.call('get', KEYS[1]) ~= 'L' .. ARGV[1] then
+    return 0
+end
+if ARGV[2] == '' then
+    return redis.call('del', KEYS[1])
+end
+return redis.call('pexpire', KEYS[1], ARGV[2])
+"""
+
 _REVOKE_OUTCOMES = {0: RevokeOutcome.NOT_HELD, 1: RevokeOutcome.RELEASED, 2: RevokeOutcome.RUNNING}
 
 #: policy -> its one-letter code in a record (lowercase: task name not stored)
@@ -484,6 +554,9 @@ class RedisStore:
         self._settle: Script = client.register_script(SETTLE)
         self._revoke: Script = client.register_script(REVOKE)
         self._get: Script = client.register_script(GET)
+        self._claim_run: Script = client.register_script(CLAIM_RUN)
+        self._end_run: Script = client.register_script(END_RUN)
+        self._lease: Script = client.register_script(LEASE)
         #: per-thread connections the scripts run on (None: through the
         #: client's own command path, e.g. a cluster client routing by slot)
         self._wire = ScriptWire(client) if isinstance(client, redis.Redis) else None
@@ -606,6 +679,64 @@ class RedisStore:
         raw = self._run(self._claim, [self._k(key), self._marker(key, owner)], args)
         outcome = ClaimOutcome(_text(raw[0]))
         return Claim(outcome, self._lock(key, raw[1:]) if outcome is ClaimOutcome.HELD else None)
+
+    def _run_record(self, run: RunRef) -> str:
+        return self._marker(run.key, run.owner, f"run{run.attempt}")
+
+    def claim_run(
+        self,
+        run: RunRef,
+        lease: float,
+        meta: LockMeta,
+        *,
+        release: bool,
+        ttl: float | None,
+    ) -> tuple[RunOutcome, Claim | None]:
+        """The lease, then the start claim (one EVALSHA over lock, marker and run record)."""
+        key, owner = run.key, run.owner
+        mine = _enc(owner)
+        take = ttl is not None and not release
+        args = [
+            run.token,
+            _ms(lease),
+            mine,
+            "1" if release else "",
+            "" if ttl is None else _ms(ttl),
+            _pack(key, mine, meta, True) if take else "",
+            *(_legacy_fields(key, owner, meta) if take else ()),
+        ]
+        keys = [self._k(key), self._marker(key, owner), self._run_record(run)]
+        raw = self._run(self._claim_run, keys, args)
+        answer = _text(raw[0])
+        if answer in ("running", "done"):
+            return RunOutcome(answer), None
+        outcome = ClaimOutcome(answer)
+        holder = self._lock(key, raw[1:]) if outcome is ClaimOutcome.HELD else None
+        return RunOutcome.BEGUN, Claim(outcome, holder)
+
+    def end_run(
+        self, run: RunRef, done_ttl: float, meta: LockMeta, *, release: bool | None
+    ) -> bool:
+        """The done marker, then release or settle (one EVALSHA)."""
+        action = "" if release is None else ("release" if release else "settle")
+        keys = [self._k(run.key), self._run_record(run)]
+        args = [_enc(run.owner), run.token, _ms(done_ttl), action]
+        return bool(self._run(self._end_run, keys, args))
+
+    def abandon_run(self, run: RunRef) -> bool:
+        """Delete the lease if this copy holds it (one EVALSHA)."""
+        return bool(self._run(self._lease, [self._run_record(run)], [run.token, ""]))
+
+    def renew_runs(self, runs: Sequence[RunRef], lease: float) -> int:
+        """Renew every lease its copy holds: one pipelined round trip for all of them."""
+        if not runs:
+            return 0
+        ms = _ms(lease)
+        with self._boundary():
+            pipe = self.client.pipeline(transaction=False)
+            for run in runs:
+                self._lease(keys=[self._run_record(run)], args=[run.token, ms], client=pipe)
+            return sum(int(answer) for answer in pipe.execute())
 
     def revoke(self, key: str, owner: str, ttl: float) -> RevokeOutcome:
         """Mark ``owner`` revoked; release its lock unless started (one EVALSHA)."""

@@ -16,7 +16,7 @@ first call (and ``dedup_fallback`` applies) rather than breaking the app.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from redis.commands.core import Script
@@ -31,8 +31,8 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .base import Lock
-from .redis import RedisStore
+from .base import Lock, RunRef
+from .redis import RedisStore, _ms
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -142,6 +142,11 @@ class RedisClusterStore(RedisStore):
             for node in primaries:
                 node_client = self.client.get_redis_connection(node)
                 yield from self._scan_client(node_client, prefix)
+
+    def renew_runs(self, runs: Sequence[RunRef], lease: float) -> int:
+        """Renew every lease its copy holds: one EVALSHA per run (on its key's primary)."""
+        ms = _ms(lease)
+        return sum(int(self._run(self._lease, [self._run_record(r)], [r.token, ms])) for r in runs)
 
     def _counts_key(self, prefix: str) -> str:
         # One hash; the tag keeps it in one slot whatever is appended to it.

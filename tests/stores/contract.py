@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from celery_dedup.runs import records_of
 from celery_dedup.stores import store_from_url
 from celery_dedup.stores.base import (
     ClaimOutcome,
@@ -24,6 +25,8 @@ from celery_dedup.stores.base import (
     Lock,
     LockStore,
     RevokeOutcome,
+    RunOutcome,
+    RunRef,
 )
 from tests.fixtures._store_case import StoreCase
 
@@ -413,6 +416,120 @@ class StoreContract:
                 break
             assert time.monotonic() < deadline, "revoked marker did not expire"
             time.sleep(0.1)
+
+    # -- run records (``RunRecords``, native or built from the lock operations) --
+
+    def test_run_first_copy_begins_and_claims(self, store_case: StoreCase) -> None:
+        """The first copy takes the lease and gets the start claim's answer with it."""
+        store = store_case.store
+        assert store.acquire("run:a", "owner-a", 30, META) is None
+        outcome, claim = records_of(store).claim_run(
+            RunRef("run:a", "owner-a", "0.0", "copy-1"), 30, META, release=False, ttl=None
+        )
+        assert outcome is RunOutcome.BEGUN
+        assert claim is not None and claim.outcome is ClaimOutcome.OWNED
+        lock = store.get("run:a")
+        assert lock is not None and lock.started
+
+    def test_run_second_copy_while_running_touches_nothing(self, store_case: StoreCase) -> None:
+        """Another copy of the same attempt finds the live lease: RUNNING, lock untouched."""
+        store = store_case.store
+        runs = records_of(store)
+        assert store.acquire("run:b", "owner-a", 30, META) is None
+        first = RunRef("run:b", "owner-a", "0.0", "copy-1")
+        runs.claim_run(first, 30, META, release=False, ttl=None)
+        store.settle("run:b", "owner-a")  # to see whether the copy marks it started again
+        outcome, claim = runs.claim_run(
+            RunRef("run:b", "owner-a", "0.0", "copy-2"), 30, META, release=True, ttl=None
+        )
+        assert (outcome, claim) == (RunOutcome.RUNNING, None)
+        lock = store.get("run:b")
+        assert lock is not None and lock.owner == "owner-a" and not lock.started
+
+    def test_run_end_refuses_later_copies_and_applies_the_policy(
+        self, store_case: StoreCase
+    ) -> None:
+        """end_run writes the done marker and releases; a later copy is DONE; scan sees neither."""
+        store = store_case.store
+        runs = records_of(store)
+        assert store.acquire("run:c", "owner-a", 30, META) is None
+        first = RunRef("run:c", "owner-a", "0.0", "copy-1")
+        runs.claim_run(first, 30, META, release=False, ttl=None)
+        assert runs.end_run(first, 30, META, release=True) is True
+        assert store.get("run:c") is None
+        outcome, claim = runs.claim_run(
+            RunRef("run:c", "owner-a", "0.0", "copy-2"), 30, META, release=False, ttl=60
+        )
+        assert (outcome, claim) == (RunOutcome.DONE, None)
+        assert store.get("run:c") is None  # the refused copy took nothing
+        # The next attempt (a retry) is a run of its own.
+        outcome, claim = runs.claim_run(
+            RunRef("run:c", "owner-a", "1.0", "copy-3"), 30, META, release=False, ttl=None
+        )
+        assert outcome is RunOutcome.BEGUN
+        assert [lock.key for lock in store.scan("run:")] == []
+
+    def test_run_end_settles_or_leaves_the_lock(self, store_case: StoreCase) -> None:
+        """release=False settles (not started, still held); None leaves the lock as it is."""
+        store = store_case.store
+        runs = records_of(store)
+        for key, release in (("run:d", False), ("run:e", None)):
+            assert store.acquire(key, "owner-a", 30, META) is None
+            run = RunRef(key, "owner-a", "0.0", "copy-1")
+            runs.claim_run(run, 30, META, release=False, ttl=None)
+            assert runs.end_run(run, 30, META, release=release) is (release is False)
+            lock = store.get(key)
+            assert lock is not None and lock.owner == "owner-a"
+            assert lock.started is (release is None)
+
+    def test_run_abandoned_or_lapsed_lease_lets_a_copy_run(self, store_case: StoreCase) -> None:
+        """A given-up lease frees the attempt at once; an unrenewed one when it lapses."""
+        store = store_case.store
+        runs = records_of(store)
+        assert store.acquire("run:f", "owner-a", 30, META) is None
+        dead = RunRef("run:f", "owner-a", "0.0", "copy-1")
+        runs.claim_run(dead, 30, META, release=False, ttl=None)
+        assert runs.abandon_run(RunRef("run:f", "owner-a", "0.0", "copy-2")) is False
+        assert runs.abandon_run(dead) is True
+        outcome, _ = runs.claim_run(
+            RunRef("run:f", "owner-a", "0.0", "copy-2"), 1, META, release=False, ttl=None
+        )
+        assert outcome is RunOutcome.BEGUN
+        deadline = time.monotonic() + 5
+        while True:
+            outcome, claim = runs.claim_run(
+                RunRef("run:f", "owner-a", "0.0", "copy-3"), 30, META, release=False, ttl=None
+            )
+            if outcome is RunOutcome.BEGUN:
+                break
+            assert outcome is RunOutcome.RUNNING
+            assert time.monotonic() < deadline, "the lease did not lapse"
+            time.sleep(0.1)
+        assert claim is not None and claim.outcome is ClaimOutcome.OWNED
+
+    def test_run_renew_keeps_only_held_leases(self, store_case: StoreCase) -> None:
+        """renew_runs counts and renews the leases their copies hold, and no others."""
+        store = store_case.store
+        runs = records_of(store)
+        held = [RunRef(f"run:g{i}", "owner-a", "0.0", f"copy-{i}") for i in range(3)]
+        for run in held:
+            runs.claim_run(run, 2, META, release=False, ttl=None)
+        stranger = RunRef("run:g0", "owner-a", "0.0", "copy-x")
+        assert runs.renew_runs([*held, stranger], 30) == 3
+        time.sleep(3.2)  # past the first lease (memcached counts whole seconds)
+        outcome, _ = runs.claim_run(stranger, 30, META, release=False, ttl=None)
+        assert outcome is RunOutcome.RUNNING
+
+    def test_run_revoked_owner_begins_but_is_refused(self, store_case: StoreCase) -> None:
+        """The revoked marker is still consulted: the claim inside claim_run answers REVOKED."""
+        store = store_case.store
+        assert store.acquire("run:h", "owner-a", 30, META) is None
+        assert store.revoke("run:h", "owner-a", 30) is RevokeOutcome.RELEASED
+        outcome, claim = records_of(store).claim_run(
+            RunRef("run:h", "owner-a", "0.0", "copy-1"), 30, META, release=False, ttl=60
+        )
+        assert outcome is RunOutcome.BEGUN
+        assert claim is not None and claim.outcome is ClaimOutcome.REVOKED
 
     def test_concurrent_acquire_has_one_winner_per_key(self, store_case: StoreCase) -> None:
         """8 processes (threads for an in-process store) racing for 200 keys: one winner per key."""
