@@ -17,7 +17,9 @@ from typing import Any
 import pytest
 
 from celery_dedup import DedupTask
+from celery_dedup.runs import records_of
 from celery_dedup.runtime import runtime_for
+from celery_dedup.stores.base import RunRef
 from tests.fixtures._servers import running
 from tests.fixtures.redis import RedisServer, start_redis
 
@@ -100,6 +102,9 @@ def test_round_trips_per_acquire_duplicate_and_execution(
     store.acquire("warm", "o", 5, meta)  # loads every script the counted paths use
     store.claim("warm", "o", release=False, ttl=5, meta=meta)
     store.release("warm", "o")
+    warm_run = RunRef("warm", "o", "0.0", "warm-copy")  # and the run-record scripts
+    records_of(store).claim_run(warm_run, 5, meta, release=False, ttl=5)
+    records_of(store).end_run(warm_run, 5, meta, release=True)
 
     monitor = Monitor(store_server)
     results: list[Any] = []
@@ -125,6 +130,7 @@ def test_round_trips_per_acquire_duplicate_and_execution(
 
         counted = monitor.count(execute, "execute")
         assert sent(counted) <= 2 * n, counted
-        assert counted["EVALSHA"] == 2 * n, counted  # one claim and one release each
+        # One lease-and-claim and one done-marker-and-release each.
+        assert counted["EVALSHA"] == 2 * n, counted
     finally:
         monitor.stop()
