@@ -521,11 +521,16 @@ def classify(exc: BaseException) -> type[StoreError] | None:
 
 
 def _answer(exc: BaseException) -> str:
+    if exc.args and isinstance(exc.args[0], bytes):
+        # pymemcache keeps the server's line as bytes: show it as text.
+        text = f"{type(exc).__name__}: {exc.args[0].decode(errors='replace')}"
+    else:
+        text = server_answer(exc)
     if isinstance(exc, _protocol_errors()) and not isinstance(
         exc, (*_unreachable(), *_server_errors())
     ):
-        return E_PROTOCOL_ANSWER.format(error=server_answer(exc))
-    return server_answer(exc)
+        return E_PROTOCOL_ANSWER.format(error=text)
+    return text
 
 
 def _node(server: Server) -> str:
