@@ -127,9 +127,11 @@ def _sqlite(code: int) -> type[StoreError]:
 def driver_answer(error: BaseException) -> str:
     """A DB-API error as text for a message: class, the server's words and code.
 
-    Never the statement or its parameters (an owner token is a secret).
+    Never the statement or its parameters (an owner token is a secret): only
+    the first line of the server's message (PostgreSQL adds the statement's
+    text under it).
     """
-    text = str(error).strip()
+    text = str(error).strip().split("\n", 1)[0]
     code = driver_code(error)
     name = getattr(error, "sqlite_errorname", None)
     if isinstance(name, str) and name:
