@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 from urllib.parse import parse_qsl, quote, unquote
 
 from ..exceptions import (
+    DedupError,
     ImproperlyConfigured,
     ScanNotSupported,
     StoreContention,
@@ -237,8 +238,11 @@ def _attempts() -> Iterator[int]:
         yield attempt
 
 
-class _Contended(Exception):
-    """A key kept changing under ``gets`` + ``cas`` (reported as ``StoreContention``)."""
+class _Contended(DedupError):
+    """A key kept changing under ``gets`` + ``cas`` (reported as ``StoreContention``).
+
+    A ``DedupError``, so the error boundary passes it to ``_op`` unchanged.
+    """
 
 
 class CacheLocks:
