@@ -12,9 +12,7 @@ the store and the server's answer, and the driver's error as ``__cause__``.
 from __future__ import annotations
 
 import errno
-import re
 import sqlite3
-from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -22,8 +20,8 @@ import pymysql
 import pytest
 import redis
 from billiard.exceptions import SoftTimeLimitExceeded
-from pymemcache.exceptions import MemcacheError, MemcacheServerError
-from sqlalchemy.exc import ProgrammingError, SQLAlchemyError
+from pymemcache.exceptions import MemcacheServerError
+from sqlalchemy.exc import ProgrammingError
 
 from celery_dedup.exceptions import (
     DedupKeyError,
@@ -33,42 +31,18 @@ from celery_dedup.exceptions import (
     StoreRefused,
     StoreUnavailable,
 )
-from celery_dedup.stores.base import Lock, store_errors
+from celery_dedup.stores.base import store_errors
 from celery_dedup.stores.db_codes import classify_driver_error
 from celery_dedup.stores.django_cache import classify as classify_cache
 from celery_dedup.stores.redis import classify as classify_redis
-from tests.fixtures.failing_stores import HELD, META, OWNER, Broken
-
-#: Every driver's root exception: nothing a store raises may be one.
-DRIVER_ERRORS: tuple[type[BaseException], ...] = (
-    redis.exceptions.RedisError,
-    redis.exceptions.RedisClusterException,
-    SQLAlchemyError,
-    psycopg.Error,
-    pymysql.err.Error,
-    sqlite3.Error,
-    MemcacheError,
+from tests.fixtures.failing_stores import (
+    ALL,
+    DRIVER_ERRORS,
+    HELD,
+    WRITES,
+    Broken,
+    check_operations,
 )
-
-#: The operations, in the order they run (the ones that may free ``HELD`` last).
-OPERATIONS: dict[str, Callable[[Any], Any]] = {
-    "get": lambda s: s.get(HELD),
-    "scan": lambda s: list(s.scan("errors:")),
-    "read_counts": lambda s: s.read_counts("errors"),
-    "extend": lambda s: s.extend(HELD, OWNER, 300),
-    "settle": lambda s: s.settle(HELD, OWNER, 300),
-    "unrevoke": lambda s: s.unrevoke(HELD, OWNER),
-    "acquire": lambda s: s.acquire("errors:free", "owner-b", 30, META),
-    "take_over": lambda s: s.take_over(HELD, "owner-b", 30, META),
-    "claim": lambda s: s.claim("errors:other", "owner-b", release=False, ttl=30, meta=META),
-    "claim_owned": lambda s: s.claim(HELD, OWNER, release=False, ttl=30, meta=META),
-    "revoke": lambda s: s.revoke(HELD, OWNER, 30),
-    "add_counts": lambda s: s.add_counts("errors", {("tests.errors", "acquired"): 1}),
-    "release": lambda s: s.release(HELD, OWNER),
-}
-ALL = frozenset(OPERATIONS)
-READS = frozenset({"get", "scan", "read_counts"})
-WRITES = ALL - READS
 
 #: fixture -> (the class raised, the operations raising it; the others answer)
 CASES = [
@@ -108,45 +82,12 @@ CASES = [
 ]
 
 
-def _check_answer(name: str, result: Any) -> None:
-    """An operation the broken server still serves answers as on a healthy one."""
-    if name == "get":
-        assert isinstance(result, Lock) and result.owner == OWNER
-    elif name == "scan":
-        assert [lock.key for lock in result] == [HELD]
-    elif name == "read_counts":
-        assert isinstance(result, dict)
-    elif name in ("extend", "settle", "release"):
-        assert result is True
-    else:
-        assert name in ("unrevoke", "add_counts") and result is None
-
-
 @pytest.mark.parametrize(("fixture", "kind", "failing"), CASES)
 def test_every_operation_raises_the_typed_error(
     fixture: str, kind: type[StoreError], failing: frozenset[str], request: pytest.FixtureRequest
 ) -> None:
     """Each operation raises exactly ``kind`` naming store and answer, or still answers."""
-    broken: Broken = request.getfixturevalue(fixture)
-    seen: dict[str, str] = {}
-    for name, operation in OPERATIONS.items():
-        try:
-            result = operation(broken.store)
-        except Exception as exc:
-            seen[name] = type(exc).__name__
-            assert name in failing, f"{name} raised {exc!r}"
-            assert type(exc) is kind, f"{name} raised {exc!r}"
-            assert not isinstance(exc, DRIVER_ERRORS)
-            # the driver's error, or the socket's (an OSError) under it
-            cause = exc.__cause__
-            assert isinstance(cause, (*DRIVER_ERRORS, OSError)), f"{name}: {cause!r}"
-            assert exc.store == broken.store.name
-            assert broken.label in str(exc), f"{name}: {exc}"
-            assert re.search(broken.answer, str(exc)), f"{name}: {exc}"
-        else:
-            assert name not in failing, f"{name} answered {result!r}"
-            _check_answer(name, result)
-    assert set(seen) == failing
+    check_operations(request.getfixturevalue(fixture), kind, failing)
 
 
 # -- the classification, driver by driver (supplements: codes no fixture can produce) ----
@@ -280,3 +221,39 @@ def test_sql_messages_never_show_the_statement(sqlite_read_only: Broken) -> None
         sqlite_read_only.store.release(HELD, "secret-owner-token")
     assert "secret-owner-token" not in str(info.value)
     assert "DELETE" not in str(info.value)
+
+
+def _django_error(cls: type[Exception], cause: Exception | None) -> Exception:
+    """A Django database error as Django raises it: the driver's error as its cause."""
+    error = cls(str(cause) if cause is not None else "no cause")
+    error.__cause__ = cause
+    return error
+
+
+def test_django_database_errors_by_the_drivers_code() -> None:
+    """The Django DB store reads the driver's code under Django's wrapper, as the SQL store."""
+    from django.db.utils import InterfaceError, OperationalError
+    from django.db.utils import ProgrammingError as DjangoProgrammingError
+
+    from celery_dedup.stores.django import _answer
+    from celery_dedup.stores.django import classify as classify_django
+
+    read_only = _django_error(
+        OperationalError, psycopg.errors.ReadOnlySqlTransaction("cannot execute INSERT")
+    )
+    assert classify_django(read_only) is StoreRefused
+    assert "(SQLSTATE 25006)" in _answer(read_only)
+    denied = _django_error(
+        DjangoProgrammingError, psycopg.errors.InsufficientPrivilege("permission denied")
+    )
+    assert classify_django(denied) is StorePermissionDenied
+    assert "migrate celery_dedup" in _answer(denied)
+    mysql = _django_error(OperationalError, pymysql.err.OperationalError(1290, "--read-only"))
+    assert classify_django(mysql) is StoreRefused
+    gone = _django_error(OperationalError, pymysql.err.OperationalError(2013, "Lost connection"))
+    assert classify_django(gone) is StoreUnavailable
+    missing = _django_error(OperationalError, None)
+    missing.args = ("no such table: celery_dedup_lock",)
+    assert classify_django(missing) is StoreRefused
+    assert classify_django(_django_error(InterfaceError, None)) is StoreUnavailable
+    assert classify_django(ValueError("ours")) is None
