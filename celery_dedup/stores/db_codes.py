@@ -86,6 +86,25 @@ def classify_driver_error(error: BaseException | None) -> type[StoreError] | Non
         return _postgres(code)
     if isinstance(code, int):
         return _mysql(code)
+    return _refused_login(str(error))
+
+
+#: What libpq says when the server refused the login: its error then carries
+#: no SQLSTATE (the server's would be class 28, or 3D000).
+_LOGIN_DENIED = ("password authentication failed", "no pg_hba.conf entry",
+                 "permission denied for database", "is not permitted to log in")
+
+
+def _refused_login(text: str) -> type[StoreError] | None:
+    """A PostgreSQL connection the server refused, known only by its text."""
+    if "FATAL:" not in text:
+        return None
+    if any(words in text for words in _LOGIN_DENIED) or (
+        'role "' in text and "does not exist" in text
+    ):
+        return StorePermissionDenied
+    if 'database "' in text and "does not exist" in text:
+        return StoreRefused
     return None
 
 

@@ -67,6 +67,8 @@ CASES = [
                  marks=pytest.mark.postgres, id="postgres-read-only"),
     pytest.param("postgres_no_rights", StorePermissionDenied, ALL,
                  marks=pytest.mark.postgres, id="postgres-no-rights"),
+    pytest.param("postgres_unknown_role", StorePermissionDenied, ALL,
+                 marks=pytest.mark.postgres, id="postgres-login-refused"),
     pytest.param("mysql_read_only", StoreRefused, WRITES,
                  marks=pytest.mark.mysql, id="mariadb-read-only"),
     pytest.param("sqlite_read_only", StoreRefused, WRITES,
@@ -114,6 +116,11 @@ def test_every_operation_raises_the_typed_error(
         (psycopg.errors.TooManyConnections("too many clients"), StoreUnavailable),
         (psycopg.errors.UndefinedTable("relation does not exist"), StoreRefused),
         (psycopg.OperationalError("connection refused"), None),
+        (psycopg.OperationalError(
+            'connection failed: FATAL:  password authentication failed for user "app"'),
+         StorePermissionDenied),
+        (psycopg.OperationalError('connection failed: FATAL:  database "x" does not exist'),
+         StoreRefused),
     ],
 )
 def test_database_codes(orig: Exception, kind: type[StoreError] | None) -> None:
