@@ -362,7 +362,7 @@ def server_answer(exc: BaseException) -> str:
     code = getattr(exc, "status_code", None)
     if isinstance(code, str) and code and not text.startswith(code):
         text = f"{code} {text}"
-    return f"{type(exc).__name__}: {text}"
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def store_error(

@@ -86,6 +86,25 @@ def classify_driver_error(error: BaseException | None) -> type[StoreError] | Non
         return _postgres(code)
     if isinstance(code, int):
         return _mysql(code)
+    return _refused_login(str(error))
+
+
+#: What libpq says when the server refused the login: its error then carries
+#: no SQLSTATE (the server's would be class 28, or 3D000).
+_LOGIN_DENIED = ("password authentication failed", "no pg_hba.conf entry",
+                 "permission denied for database", "is not permitted to log in")
+
+
+def _refused_login(text: str) -> type[StoreError] | None:
+    """A PostgreSQL connection the server refused, known only by its text."""
+    if "FATAL:" not in text:
+        return None
+    if any(words in text for words in _LOGIN_DENIED) or (
+        'role "' in text and "does not exist" in text
+    ):
+        return StorePermissionDenied
+    if 'database "' in text and "does not exist" in text:
+        return StoreRefused
     return None
 
 
@@ -127,9 +146,11 @@ def _sqlite(code: int) -> type[StoreError]:
 def driver_answer(error: BaseException) -> str:
     """A DB-API error as text for a message: class, the server's words and code.
 
-    Never the statement or its parameters (an owner token is a secret).
+    Never the statement or its parameters (an owner token is a secret): only
+    the first line of the server's message (PostgreSQL adds the statement's
+    text under it).
     """
-    text = str(error).strip()
+    text = str(error).strip().split("\n", 1)[0]
     code = driver_code(error)
     name = getattr(error, "sqlite_errorname", None)
     if isinstance(name, str) and name:

@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 from urllib.parse import parse_qsl, quote, unquote
 
 from ..exceptions import (
+    DedupError,
     ImproperlyConfigured,
     ScanNotSupported,
     StoreContention,
@@ -237,8 +238,11 @@ def _attempts() -> Iterator[int]:
         yield attempt
 
 
-class _Contended(Exception):
-    """A key kept changing under ``gets`` + ``cas`` (reported as ``StoreContention``)."""
+class _Contended(DedupError):
+    """A key kept changing under ``gets`` + ``cas`` (reported as ``StoreContention``).
+
+    A ``DedupError``, so the error boundary passes it to ``_op`` unchanged.
+    """
 
 
 class CacheLocks:
@@ -521,11 +525,16 @@ def classify(exc: BaseException) -> type[StoreError] | None:
 
 
 def _answer(exc: BaseException) -> str:
+    if exc.args and isinstance(exc.args[0], bytes):
+        # pymemcache keeps the server's line as bytes: show it as text.
+        text = f"{type(exc).__name__}: {exc.args[0].decode(errors='replace')}"
+    else:
+        text = server_answer(exc)
     if isinstance(exc, _protocol_errors()) and not isinstance(
         exc, (*_unreachable(), *_server_errors())
     ):
-        return E_PROTOCOL_ANSWER.format(error=server_answer(exc))
-    return server_answer(exc)
+        return E_PROTOCOL_ANSWER.format(error=text)
+    return text
 
 
 def _node(server: Server) -> str:

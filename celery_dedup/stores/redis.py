@@ -23,11 +23,13 @@ from redis.commands.core import Script
 from redis.exceptions import (
     AuthenticationError,
     AuthorizationError,
+    ClusterDownError,
     InvalidResponse,
     NoPermissionError,
     RedisClusterException,
     RedisError,
     ResponseError,
+    TryAgainError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -415,7 +417,9 @@ def classify(
         code = error_code(exc)
         if code in PERMISSION_CODES:
             return StorePermissionDenied
-        if code in UNAVAILABLE_CODES or isinstance(exc, unreachable):
+        if code in UNAVAILABLE_CODES or isinstance(exc, (ClusterDownError, TryAgainError)):
+            return StoreUnavailable
+        if isinstance(exc, unreachable):
             return StoreUnavailable
         return StoreRefused
     if isinstance(exc, unreachable):

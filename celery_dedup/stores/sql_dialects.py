@@ -93,10 +93,6 @@ E_MISSING_OTHER_DRIVER = (
 E_NO_DIALECT = "No SQLAlchemy dialect for the lock store {url!r} ({error})"
 E_OLD_SQLITE = "The SQL lock store needs SQLite >= 3.35 (RETURNING); this is SQLite {version}"
 E_KEY_TOO_LONG = "lock key is {length} characters; the SQL lock store holds keys up to {limit}"
-E_REFUSED = (
-    "The database of the lock store {where} refused its SQL ({error}); "
-    "check the user's privileges and the store's tables"
-)
 E_CONTENTION = (
     "lock store sql gave up on {key!r}: concurrent writers kept winning the race "
     "({tries} tries); nothing was written"

@@ -293,12 +293,12 @@ def test_dropped_connection_fails_one_call_then_reconnects(database: Database) -
     assert lock is not None and lock.owner == "token-a"
 
 
-def test_missing_tables_are_a_configuration_error(transactional_db: None) -> None:
-    """Migrations not run: a typed ImproperlyConfigured naming the fix, never a raw DB error."""
+def test_missing_tables_are_a_refusal_naming_the_fix(transactional_db: None) -> None:
+    """Migrations not run: a typed StoreRefused naming the fix, never a raw DB error."""
     from django.db import connection
 
     from celery_dedup.contrib.django.models import DedupLock
-    from celery_dedup.exceptions import ImproperlyConfigured
+    from celery_dedup.exceptions import StoreRefused
     from celery_dedup.stores.django import DjangoStore
 
     table = DedupLock._meta.db_table
@@ -307,7 +307,7 @@ def test_missing_tables_are_a_configuration_error(transactional_db: None) -> Non
     try:
         store = DjangoStore("default")
         meta = {"task_name": "t", "policy": "success", "task_id": "i"}
-        with pytest.raises(ImproperlyConfigured, match="migrate celery_dedup"):
+        with pytest.raises(StoreRefused, match="migrate celery_dedup"):
             store.acquire("k:missing", "owner", 10, meta)
     finally:
         with connection.schema_editor() as editor:

@@ -38,7 +38,7 @@ from sqlalchemy import (
     select,
 )
 
-from celery_dedup import ImproperlyConfigured, StoreUnavailable
+from celery_dedup import ImproperlyConfigured, StorePermissionDenied, StoreUnavailable
 from celery_dedup.runtime import runtime_for
 from celery_dedup.stores import derive_store_url, sql, sql_dialects, store_from_url
 from celery_dedup.stores.base import ClaimOutcome, RevokeOutcome, revoked_marker_key
@@ -903,10 +903,10 @@ def test_postgres_connections_time_out_by_default(
 
 
 @pytest.mark.postgres
-def test_database_refusing_the_sql_is_improperly_configured(
+def test_database_refusing_the_sql_is_permission_denied(
     postgres_server: PostgresServer,
 ) -> None:
-    """A user who may not create the tables gets ImproperlyConfigured, not a driver error."""
+    """A user who may not create the tables gets StorePermissionDenied, not a driver error."""
     name = f"limited_{uuid.uuid4().hex[:12]}"
     with postgres_server.connect() as conn:
         conn.execute(f"CREATE DATABASE {name}")
@@ -917,7 +917,7 @@ def test_database_refusing_the_sql_is_improperly_configured(
         conn.execute("REVOKE CREATE ON SCHEMA public FROM PUBLIC")
     store = SQLStore(f"postgresql+psycopg://{name}@127.0.0.1:{postgres_server.port}/{name}")
     try:
-        with pytest.raises(ImproperlyConfigured, match="refused its SQL") as info:
+        with pytest.raises(StorePermissionDenied, match="denied permission") as info:
             store.acquire("k", "owner-a", 30, META)
         assert f"127.0.0.1:{postgres_server.port}/{name}" in str(info.value)
         assert "permission denied" in str(info.value)
