@@ -214,7 +214,7 @@ class Command(BaseCommand):
             "(same task id); another address is other work and is published. With "
             "unique_until='success' this holds while the first sync is pending or running.",
         )
-        call("process_payment", "pay-1001", "19.99", "EUR")
+        payment = call("process_payment", "pay-1001", "19.99", "EUR")
         call("process_payment", "pay-1001", "19.99", "EUR")
         self._say(
             "process_payment: a double submit of payment pay-1001.",
@@ -238,12 +238,16 @@ class Command(BaseCommand):
             "One message, whose task id derives from the key (deterministic_id=True), so "
             "anyone can find its result from (server, attempt) alone.",
         )
-        call("notify", 1, "welcome")
-        call("notify", 1, "welcome")
+        call("notify", 1, "export-ready")
+        call("notify", 1, "export-ready")
+        call("notify", 1, "welcome", deduplication_key="welcome:user-1")
+        call("notify", 1, "welcome", deduplication_key="welcome:user-1")
         self._say(
-            "notify: the same notification twice.",
-            "Both are sent: identity='always_unique' takes no lock unless a caller passes "
-            "a key.",
+            "notify: two 'export ready' mails, then a keyed welcome mail twice.",
+            "Without a key both mails are sent: identity='always_unique' takes no lock. "
+            "With the key welcome:user-1 the second welcome is suppressed; the lock "
+            "outlives the mail (unique_until='expiry'), so a redelivered event never sends "
+            "it twice.",
         )
         beat = {"headers": {"celery_beat_task": True}}
         call("purge_expired_locks", **beat)
@@ -253,6 +257,15 @@ class Command(BaseCommand):
             "One run; the second tick is suppressed (beat never gets an exception).",
         )
 
+        charged = payment.get(timeout=RESULT_TIMEOUT, interval=0.1)
+        call("process_payment", "pay-1001", "19.99", "EUR")
+        self._say(
+            f"process_payment: pay-1001 submitted again after the worker {charged}.",
+            "Refused again with DuplicateTaskError: the charge ran once. The payment's "
+            "idempotency key (payment:<id>) is locked with unique_until='expiry' for 24 "
+            "hours, so a finished charge does not let the same payment in; under the "
+            "default unique_until='success' it would have charged twice.",
+        )
         first_sync.get(timeout=RESULT_TIMEOUT, interval=0.1)
         again = call("sync_address", 42, home)
         self._say(
