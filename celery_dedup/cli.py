@@ -645,7 +645,7 @@ def stats(ctx: click.Context, /, as_json: bool, **kwargs: Any) -> None:
               help="Seconds to wait for the store before calling it unreachable.")
 @click.pass_context
 def check(ctx: click.Context, /, as_json: bool, timeout: float, **kwargs: Any) -> None:
-    """Check that deduplication works: store round trip, each task's options.
+    """Probe the store; show each task's options.
 
     Takes and releases one lock on the store, then prints what each
     registered DedupTask would use (policy, TTL, identity, on_duplicate).
