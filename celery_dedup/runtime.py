@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .events import default_send_events
 from .exceptions import DeduplicationUnavailable, ImproperlyConfigured, StoreUnavailable
 from .identity import Identity
 from .metrics import Metrics, flush_interval
@@ -53,6 +54,7 @@ WATCHED_SETTINGS = (
     "dedup_native",
     "dedup_revoked_ttl",
     "task_send_sent_event",
+    "worker_send_task_events",
     "result_backend",
     "broker_url",
 )
@@ -110,7 +112,7 @@ class AppSettings:
         """Read and validate every setting from ``app.conf``."""
         send_events = read_setting(conf, "dedup_send_events")
         if send_events is None:
-            send_events = bool(conf.get("task_send_sent_event"))
+            send_events = default_send_events(conf)
         return cls(
             key_prefix=read_setting(conf, "dedup_key_prefix"),
             default_ttl=read_setting(conf, "dedup_default_ttl"),

@@ -38,6 +38,7 @@ from celery._state import connect_on_app_finalize, get_current_app
 from celery.signals import before_task_publish, celeryd_after_setup, worker_init
 from kombu.utils.url import maybe_sanitize_url
 
+from .events import warn_if_events_off
 from .identity import lock_key
 from .options import DedupConfigWarning
 from .runtime import runtime_for
@@ -315,13 +316,17 @@ def check_worker_start(app: Celery, worker: Any = None) -> StoreProbe | None:
     """Probe the store of ``app`` and say so loudly when deduplication will not work.
 
     Returns the probe (``None`` when the app has no ``DedupTask``). Logs an
-    ERROR block when the store is unusable, INFO when it works; with a
-    ``celery worker`` instance, adds a ``[celery-dedup]`` line to its banner.
+    ERROR block when the store is unusable, INFO when it works; a warning when
+    ``worker`` sends task events but deduplicated calls are not reported;
+    with a ``celery worker`` instance, adds a ``[celery-dedup]`` line to its
+    banner.
     """
     warn_plain_task_options(app)
     tasks = dedup_tasks(app)
     if not tasks:
         return None
+    warn_if_events_off(bool(getattr(worker, "task_events", False)),
+                       runtime_for(app).settings.send_events)
     probe = probe_store(app)
     if probe.ok:
         logger.info("celery-dedup: %s", probe.describe())
@@ -363,4 +368,4 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
     from celery.apps.worker import Worker
 
     if sender is not None and not isinstance(sender, Worker):
-        check_worker_start(sender.app)
+        check_worker_start(sender.app, sender)

@@ -218,3 +218,26 @@ def test_dedup_options_given_to_a_plain_call_warn_once() -> None:
         warnings.simplefilter("error")
         deduped.apply_async((1,), unique_for=60, deduplication_key="d:1")
         notify.apply_async((3,))
+
+
+def test_events_default_follows_the_task_event_settings() -> None:
+    """Unset, ``dedup_send_events`` is on when the config turns Celery's task events on."""
+    plain = make_app("memory://", "cache+memory://", "memory://")
+    flower = make_app("memory://", "cache+memory://", "memory://", worker_send_task_events=True)
+    opted_out = make_app("memory://", "cache+memory://", "memory://",
+                         worker_send_task_events=True, dedup_send_events=False)
+    assert runtime_for(plain).settings.send_events is False
+    assert runtime_for(flower).settings.send_events is True
+    assert runtime_for(opted_out).settings.send_events is False
+
+
+def test_worker_sending_events_without_dedup_events_says_what_to_set(
+    dedup_log: DedupLog,
+) -> None:
+    """A worker with ``-E`` whose config leaves dedup events off logs what to set."""
+    app = make_app("memory://", "cache+memory://", "memory://", dedup_send_events=False)
+    with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10,
+                      task_events=True):
+        pass
+    [warning] = [w for w in dedup_log.warnings() if "sends task events" in w]
+    assert "CELERY_DEDUP_SEND_EVENTS = True" in warning and "DEDUPLICATED" in warning
