@@ -25,8 +25,10 @@ called by hand:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
+import sys
 import threading
 import time
 import warnings
@@ -50,6 +52,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEDUP_OPTIONS",
+    "PROBE_OWNER_PREFIX",
     "PROBE_TIMEOUT",
     "StoreProbe",
     "TaskPlan",
@@ -79,6 +82,9 @@ PROBE_TIMEOUT: Final = 10.0
 
 #: the task name the probe's lock key is made under (never a real task's)
 _PROBE_TASK: Final = "celery_dedup.check"
+
+#: how the probe's owner tokens start, so lock scans can tell its short-lived lock
+PROBE_OWNER_PREFIX: Final = "probe:"
 
 #: modules whose task classes read some of these names for themselves
 _OTHER_LIBRARIES: Final = ("celery_once", "celery_singleton")
@@ -167,7 +173,7 @@ def probe_store(app: Celery, timeout: float = PROBE_TIMEOUT) -> StoreProbe:
                 return
             name = store.name
             key = lock_key(runtime_for(app).settings.key_prefix, _PROBE_TASK, secrets.token_hex())
-            owner = secrets.token_hex(16)
+            owner = PROBE_OWNER_PREFIX + secrets.token_hex(16)
             meta = {"task_name": _PROBE_TASK, "policy": "expiry", "task_id": owner}
             holder = store.acquire(key, owner, 60.0, meta)
             if holder is not None:
@@ -181,6 +187,8 @@ def probe_store(app: Celery, timeout: float = PROBE_TIMEOUT) -> StoreProbe:
             outcome.append(StoreProbe(shown, name, True, None, time.monotonic() - started))
         except Exception as exc:  # any failure is the answer, reported in words
             outcome.append(StoreProbe(shown, name, False, f"{type(exc).__name__}: {exc}"))
+        finally:
+            _close_thread_connections()
 
     thread = threading.Thread(target=run, name="celery-dedup-probe", daemon=True)
     thread.start()
@@ -188,6 +196,15 @@ def probe_store(app: Celery, timeout: float = PROBE_TIMEOUT) -> StoreProbe:
     if not outcome:
         return StoreProbe(shown, None, False, f"no answer within {timeout:g} s")
     return outcome[0]
+
+
+def _close_thread_connections() -> None:
+    """Django's connections are per thread: the probe's own must not outlive it."""
+    if "django.db" in sys.modules:
+        from django.db import connections
+
+        with contextlib.suppress(Exception):  # Django not configured: nothing was opened
+            connections.close_all()
 
 
 def _no_store(app: Celery) -> str:
