@@ -267,7 +267,7 @@ class Operator:
         # Finalizing binds every task: the celery-once / celery-singleton shims
         # adopt their library's lock URL (ONCE, singleton_backend_url) as
         # dedup_store then, so the operator sees the store the shim locks in.
-        app.finalize(auto=True)
+        app.finalize()
         self.runtime: Runtime = runtime_for(app)
         store = self.runtime.store
         if store is None:
@@ -466,7 +466,7 @@ def check_report(app: Any, timeout: float = PROBE_TIMEOUT) -> tuple[bool, dict[s
     can be derived), a task's options are invalid, or a task that is not a
     ``DedupTask`` sets dedup options nothing reads.
     """
-    app.finalize(auto=True)  # binds the tasks: the shims adopt their lock URL
+    app.finalize()  # binds the tasks: the shims adopt their lock URL
     probe = probe_store(app, timeout)
     plans = task_plans(app)
     plain = plain_tasks_with_options(app)

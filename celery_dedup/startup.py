@@ -146,9 +146,17 @@ class TaskPlan:
     error: str | None = None
 
 
+def _registered(app: Celery) -> dict[str, Any]:
+    """``app.tasks``; empty for an app built with ``autofinalize=False`` not finalized yet."""
+    try:
+        return dict(app.tasks)
+    except RuntimeError:  # "Contract breach: app not finalized"
+        return {}
+
+
 def dedup_tasks(app: Celery) -> list[DedupTask]:
     """The ``DedupTask`` instances registered on ``app``, by name."""
-    found = [task for task in app.tasks.values() if isinstance(task, DedupTask)]
+    found = [task for task in _registered(app).values() if isinstance(task, DedupTask)]
     return sorted(found, key=lambda task: task.name)
 
 
@@ -263,7 +271,7 @@ def _from_other_library(task: Any) -> bool:
 def plain_tasks_with_options(app: Celery) -> dict[str, tuple[str, ...]]:
     """Tasks of ``app`` that are not ``DedupTask`` but set dedup options: name → options."""
     found = {}
-    for name, task in app.tasks.items():
+    for name, task in _registered(app).items():
         if isinstance(task, DedupTask) or _from_other_library(task):
             continue
         given = tuple(o for o in DEDUP_OPTIONS if getattr(task, o, None) is not None)

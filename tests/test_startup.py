@@ -240,3 +240,15 @@ def test_worker_sending_events_without_dedup_events_says_what_to_set(
         pass
     [warning] = [w for w in dedup_log.warnings() if "sends task events" in w]
     assert "CELERY_DEDUP_SEND_EVENTS = True" in warning and "DEDUPLICATED" in warning
+
+
+def test_checks_never_finalize_an_app_that_forbids_it() -> None:
+    """An ``autofinalize=False`` app not finalized yet: the checks see no task, raise nothing."""
+    app = Celery("manual", broker="memory://", autofinalize=False, set_as_current=False)
+
+    @app.task(base=DedupTask, name="manual.job", shared=False)
+    def job() -> None:
+        """Registered only once the app is finalized by hand."""
+
+    assert task_plans(app) == [] and warn_plain_task_options(app) == {}
+    assert not app.finalized
