@@ -148,10 +148,10 @@ class TaskPlan:
 
 def _registered(app: Celery) -> dict[str, Any]:
     """``app.tasks``; empty for an app built with ``autofinalize=False`` not finalized yet."""
-    try:
-        return dict(app.tasks)
-    except RuntimeError:  # "Contract breach: app not finalized"
+    # Not in the type stubs: Celery sets both in ``__init__``.
+    if not getattr(app, "finalized", False) and not getattr(app, "autofinalize", True):
         return {}
+    return dict(app.tasks)
 
 
 def dedup_tasks(app: Celery) -> list[DedupTask]:
@@ -208,11 +208,10 @@ def probe_store(app: Celery, timeout: float = PROBE_TIMEOUT) -> StoreProbe:
 
 def _close_thread_connections() -> None:
     """Django's connections are per thread: the probe's own must not outlive it."""
-    if "django.db" in sys.modules:
-        from django.db import connections
-
+    db = sys.modules.get("django.db")  # only when a Django store loaded it
+    if db is not None:
         with contextlib.suppress(Exception):  # Django not configured: nothing was opened
-            connections.close_all()
+            db.connections.close_all()
 
 
 def _no_store(app: Celery) -> str:

@@ -33,7 +33,8 @@ id                      setting
                         (best effort owner checks)
 ``celery_dedup.W011``   the store is a ``LocMemCache`` (one process only)
 ``celery_dedup.W020``   a task that is not a ``DedupTask`` sets dedup
-                        options (nothing reads them)
+                        options (nothing reads them); checked once the
+                        Celery app is finalized
 ======================  ===============================================
 """
 
@@ -249,18 +250,6 @@ def _check_cache_store() -> Warning | None:
     return None
 
 
-def _loaded_app() -> Any:
-    """The current app with its task modules imported (as ``celery -A`` would), or ``None``."""
-    app = _app()
-    if app is None:
-        return None
-    try:
-        app.loader.import_default_modules()
-    except Exception:  # a broken task module is reported when it is imported
-        return None
-    return app
-
-
 def check_store(
     app_configs: Any = None, databases: Any = None, **kwargs: Any
 ) -> list[CheckMessage]:
@@ -292,9 +281,16 @@ def check_store(
 
 
 def check_tasks(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    """Tasks that are not ``DedupTask`` but set dedup options nothing reads."""
-    app = _loaded_app()
-    if app is None:
+    """Tasks that are not ``DedupTask`` but set dedup options nothing reads.
+
+    Looks only at an app already finalized (a worker's, or after ``celery
+    dedup check``): a system check must not import task modules or finalize
+    the app, since Celery's Django fixup runs the system checks while it
+    imports the task modules. ``DedupConfigWarning`` covers the other cases
+    when the app is finalized.
+    """
+    app = _app()
+    if app is None or not app.finalized:
         return []
     from ...startup import plain_tasks_with_options
 
