@@ -11,6 +11,9 @@
 
 from __future__ import annotations
 
+# Connects the startup checks (worker-start store probe, dedup options on
+# tasks that are not DedupTask) to Celery's signals.
+from . import startup as _startup  # noqa: F401
 from .api import dedup_key_for, inspect_lock, release, revoke
 from .batch import enqueue_many
 from .exceptions import (

@@ -9,6 +9,7 @@ app given to ``celery -A``::
     celery -A proj dedup purge [--task NAME] [--force [--yes]] [--dry-run]
     celery -A proj dedup reap [--task NAME] [--dry-run]
     celery -A proj dedup stats [--json]
+    celery -A proj dedup check [--json] [--timeout SECONDS]
 
 ``KEY`` is a full store key or a unique prefix of its digest (the
 ``DIGEST`` column of ``list``). No command frees a lock its policy still
@@ -41,6 +42,7 @@ from .metrics import EVENTS, live_locks
 from .reaper import reap as reap_locks
 from .reaper import result_of_this_run, should_release
 from .runtime import Runtime, runtime_for
+from .startup import PROBE_TIMEOUT, plain_tasks_with_options, probe_store, task_plans
 from .stores.base import Lock, LockStore
 from .worker import short
 
@@ -51,6 +53,7 @@ __all__ = [
     "CommandFailed",
     "Operator",
     "assess",
+    "check_report",
     "dedup",
     "duration",
     "holder_state",
@@ -261,6 +264,10 @@ class Operator:
         self.echo = echo
         self.confirm = confirm
         self.ok = ok
+        # Finalizing binds every task: the celery-once / celery-singleton shims
+        # adopt their library's lock URL (ONCE, singleton_backend_url) as
+        # dedup_store then, so the operator sees the store the shim locks in.
+        app.finalize()
         self.runtime: Runtime = runtime_for(app)
         store = self.runtime.store
         if store is None:
@@ -449,6 +456,58 @@ class Operator:
         return released
 
 
+# -- check: is deduplication working? -------------------------------------------
+
+
+def check_report(app: Any, timeout: float = PROBE_TIMEOUT) -> tuple[bool, dict[str, Any]]:
+    """Probe the store, resolve every ``DedupTask``; ``(all usable, report)``.
+
+    Not usable: the store failed its acquire/release round trip (or none
+    can be derived), a task's options are invalid, or a task that is not a
+    ``DedupTask`` sets dedup options nothing reads.
+    """
+    app.finalize()  # binds the tasks: the shims adopt their lock URL
+    probe = probe_store(app, timeout)
+    plans = task_plans(app)
+    plain = plain_tasks_with_options(app)
+    report = {
+        "store": {"url": probe.url, "name": probe.store, "ok": probe.ok, "error": probe.error,
+                  "round_trip_ms": round(probe.elapsed * 1000, 1)},
+        "fallback": app.conf.get("dedup_fallback") or "open",
+        "tasks": [vars(plan) for plan in plans],
+        "not_deduplicated": {name: list(options) for name, options in plain.items()},
+    }
+    ok = probe.ok and not any(plan.error for plan in plans) and not plain
+    return ok, report
+
+
+def check_lines(ok: bool, report: dict[str, Any], ok_mark: str = "OK") -> Iterable[str]:
+    """``check_report``'s report in words and a table."""
+    store = report["store"]
+    where = f"{store['name'] or 'lock'} store at {store['url']}" if store["url"] else "no store"
+    if store["ok"]:
+        yield f"{ok_mark} {where}: acquire/release round trip in {store['round_trip_ms']} ms"
+    else:
+        yield f"ERROR {where}: {store['error']}"
+    yield f"dedup_fallback: {report['fallback']}"
+    tasks = report["tasks"]
+    if tasks:
+        yield ""
+        rows = [(t["name"], t["unique_until"], duration(t["unique_for"]) if not t["error"]
+                 else "?", t["identity"], t["on_duplicate"], t["error"] or "")
+                for t in tasks]
+        header = ("TASK", "UNIQUE_UNTIL", "TTL", "IDENTITY", "ON_DUPLICATE", "ERROR")
+        yield from render_table(rows, header)
+    else:
+        yield "No DedupTask is registered on this app."
+    for name, options in report["not_deduplicated"].items():
+        yield (f"WARNING {name} sets {', '.join(options)} but is not a DedupTask: "
+               "nothing deduplicates it")
+    yield ""
+    yield (f"{ok_mark} deduplication is working" if ok
+           else "ERROR deduplication is NOT working as configured (see above)")
+
+
 # -- the click commands -----------------------------------------------------------
 
 _GROUP = "Dedup Options"
@@ -582,3 +641,29 @@ def stats(ctx: click.Context, /, as_json: bool, **kwargs: Any) -> None:
     (release/revoke/purge/reap), fallback, skipped.
     """
     _run(ctx, lambda op: op.stats(as_json))
+
+
+@dedup.command(cls=CeleryCommand)
+@_json_option
+@click.option("--timeout", cls=CeleryOption, type=float, default=PROBE_TIMEOUT,
+              show_default=True, help_group=_GROUP,
+              help="Seconds to wait for the store before calling it unreachable.")
+@click.pass_context
+def check(ctx: click.Context, /, as_json: bool, timeout: float, **kwargs: Any) -> None:
+    """Probe the store; show each task's options.
+
+    Takes and releases one lock on the store, then prints what each
+    registered DedupTask would use (policy, TTL, identity, on_duplicate).
+    Exits 1 when the store is unusable, a task's options are invalid, or a
+    task that is not a DedupTask sets dedup options.
+    """
+    app = ctx.obj.app
+    app.loader.import_default_modules()
+    ok, report = check_report(app, timeout)
+    if as_json:
+        ctx.obj.echo(dumps({"ok": ok, **report}))
+    else:
+        for line in check_lines(ok, report, ctx.obj.OK):
+            ctx.obj.echo(line)
+    if not ok:
+        ctx.exit(1)

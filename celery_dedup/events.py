@@ -15,10 +15,16 @@
   hostname, so Flower shows it as ``IGNORED`` (the state the result backend
   has) instead of leaving it ``STARTED`` forever.
 
-Both are sent when ``dedup_send_events`` is on (default:
-``task_send_sent_event``); ``task-ignored`` also when
-``worker_send_task_events`` is. Events are silently dropped on the ``sqla``
-broker and, on Redis, when no monitor is listening.
+Both are sent when ``dedup_send_events`` is on. Unset, it is on when the
+app's configuration turns Celery's task events on for Flower
+(``worker_send_task_events`` or ``task_send_sent_event``): a project whose
+settings make Flower show tasks shows its deduplicated calls too, without a
+setting of its own. ``task-ignored`` is also sent by a worker started with
+``-E``. Events are not on by default otherwise: each suppressed call would
+cost two broker publishes, for nothing when no monitor listens (on Redis the
+events are then dropped). A worker started with ``-E`` whose configuration
+leaves them off says so in its log at start (``W_EVENTS_OFF``). Events are
+silently dropped on the ``sqla`` broker.
 """
 
 from __future__ import annotations
@@ -35,8 +41,8 @@ from .signals import task_skipped
 if TYPE_CHECKING:
     from celery import Celery
 
-__all__ = ["EVENT_TYPE", "SKIPPED_EVENT_TYPE", "dispatcher_hostname", "send_deduplicated",
-           "send_skipped"]
+__all__ = ["EVENT_TYPE", "SKIPPED_EVENT_TYPE", "W_EVENTS_OFF", "default_send_events",
+           "dispatcher_hostname", "send_deduplicated", "send_skipped", "warn_if_events_off"]
 
 logger = logging.getLogger("celery_dedup")
 
@@ -44,6 +50,28 @@ EVENT_TYPE: Final = "task-deduplicated"
 
 #: the event a worker-side skip is reported with (Flower state ``IGNORED``)
 SKIPPED_EVENT_TYPE: Final = "task-ignored"
+
+
+W_EVENTS_OFF = (
+    "celery-dedup: this worker sends task events (-E), but deduplicated calls are "
+    "not reported: Flower and other monitors will show no DEDUPLICATED rows. Set "
+    "dedup_send_events=True (Django: CELERY_DEDUP_SEND_EVENTS = True), or "
+    "worker_send_task_events=True, in the configuration the producers read (each "
+    "suppressed call then costs two broker publishes)."
+)
+
+
+def default_send_events(conf: Any) -> bool:
+    """``dedup_send_events`` when unset: on when the configuration turns task events on."""
+    return bool(conf.get("worker_send_task_events") or conf.get("task_send_sent_event"))
+
+
+def warn_if_events_off(worker_sends_events: bool, send_events: bool) -> bool:
+    """Log ``W_EVENTS_OFF`` when the worker sends task events but dedup events are off."""
+    if worker_sends_events and not send_events:
+        logger.warning(W_EVENTS_OFF)
+        return True
+    return False
 
 
 def dispatcher_hostname() -> str:

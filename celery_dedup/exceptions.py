@@ -50,7 +50,12 @@ __all__ = [
     "StoreUnavailable",
 ]
 
-E_DUPLICATE = "{task_name} is already queued or running for this deduplication key"
+#: true under every policy: the holder may be queued, running or (``expiry``,
+#: ``success`` after a failure) already finished within its window
+E_DUPLICATE = (
+    "{task_name} was already enqueued for this deduplication key within its "
+    "deduplication window"
+)
 E_MISSING_KEY = (
     "{task_name} uses identity='caller_provided': pass deduplication_key= "
     "(for example an Idempotency-Key header) when enqueueing it"

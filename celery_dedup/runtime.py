@@ -18,7 +18,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+<<<<<<< HEAD
 from .exceptions import DeduplicationUnavailable, ImproperlyConfigured, StoreError
+=======
+from .events import default_send_events
+from .exceptions import DeduplicationUnavailable, ImproperlyConfigured, StoreUnavailable
+>>>>>>> ops
 from .identity import Identity
 from .metrics import Metrics, flush_interval
 from .native import Native
@@ -56,6 +61,7 @@ WATCHED_SETTINGS = (
     "dedup_done_ttl",
     "broker_transport_options",
     "task_send_sent_event",
+    "worker_send_task_events",
     "result_backend",
     "broker_url",
 )
@@ -119,7 +125,7 @@ class AppSettings:
         """Read and validate every setting from ``app.conf``."""
         send_events = read_setting(conf, "dedup_send_events")
         if send_events is None:
-            send_events = bool(conf.get("task_send_sent_event"))
+            send_events = default_send_events(conf)
         return cls(
             key_prefix=read_setting(conf, "dedup_key_prefix"),
             default_ttl=read_setting(conf, "dedup_default_ttl"),

@@ -376,7 +376,7 @@ def test_help_lines_are_whole(app: Celery) -> None:
     assert result.exit_code == 0, result.output
     commands = result.output.split("Commands:")[1].strip().splitlines()
     assert [line.split()[0] for line in commands] == [
-        "list", "purge", "reap", "release", "show", "stats"
+        "check", "list", "purge", "reap", "release", "show", "stats"
     ]
     assert not any(line.rstrip().endswith("...") for line in commands), commands
     release_help = dedup("release", "--help").output

@@ -94,6 +94,20 @@ def _keys(value: Any) -> tuple[str, ...] | None:
     return tuple(value)
 
 
+def _mapped(once: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``DedupTask`` attributes a ``once`` dict stands for."""
+    return {
+        "unique_on": _keys(once.get("keys")),
+        "unique_for": once.get("timeout"),
+        "on_duplicate": "existing" if once.get("graceful") else "raise",
+    }
+
+
+def _snapshot(once: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    """A comparable copy of ``once`` (it may be changed in place between calls)."""
+    return tuple(sorted((str(key), repr(value)) for key, value in once.items()))
+
+
 def once_settings(app: Celery) -> Mapping[str, Any]:
     """``app.conf.ONCE['settings']``, or ``{}`` when celery-once is not configured."""
     once = app.conf.get("ONCE")
@@ -156,23 +170,51 @@ class QueueOnce(DedupTask):
     succeeds or finally fails (``unlock_before_run``: just before it runs).
     """
 
-    #: celery-once's options: ``keys``, ``timeout``, ``graceful``, ``unlock_before_run``
+    #: celery-once's options: ``keys``, ``timeout``, ``graceful``, ``unlock_before_run``;
+    #: read on every call, as celery-once does
     once: Mapping[str, Any] = {"graceful": False, "unlock_before_run": False}
+    _once_written: frozenset[str] = frozenset()
     on_duplicate = "raise"
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         if "once" in cls.__dict__:
             # Like celery-once, a class's ``once`` replaces its base's whole.
-            once = _once_mapping(cls.__dict__["once"], "once")
-            mapped = {
-                "unique_on": _keys(once.get("keys")),
-                "unique_for": once.get("timeout"),
-                "on_duplicate": "existing" if once.get("graceful") else "raise",
-            }
-            for name in _MAPPED:
-                if name not in cls.__dict__:
-                    setattr(cls, name, mapped[name])
+            # Mapped here too, so a bad ``once`` fails at definition.
+            mapped = _mapped(_once_mapping(cls.__dict__["once"], "once"))
+            written = {name for name in _MAPPED if name not in cls.__dict__}
+            for name in written:
+                setattr(cls, name, mapped[name])
+            cls._once_written = frozenset(written)
         super().__init_subclass__(**kwargs)
+
+    def dedup_config(self) -> TaskConfig:
+        """The options, re-mapped from ``self.once`` whenever it changed (as celery-once reads).
+
+        celery-once reads ``self.once`` on every call, so a base class's
+        ``once`` changed in place, or ``task.once`` reassigned at run time,
+        takes effect on the next call; options given explicitly on the task
+        (``@app.task(base=QueueOnce, unique_for=...)``) still win.
+        """
+        once = _once_mapping(self.once, "once")
+        seen = _snapshot(once)
+        if seen != self.__dict__.get("_once_seen"):
+            mapped = _mapped(once)
+            for name in _MAPPED:
+                if not self._explicit(name):
+                    self.__dict__[name] = mapped[name]
+            self.__dict__["_once_seen"] = seen
+            self._dedup_config = None
+        return super().dedup_config()
+
+    @classmethod
+    def _explicit(cls, name: str) -> bool:
+        """Whether ``name`` was set on the task itself rather than mapped from ``once``."""
+        for klass in cls.__mro__:
+            if klass is QueueOnce:
+                return False
+            if name in klass.__dict__ and name not in klass.__dict__.get("_once_written", ()):
+                return True
+        return False
 
     @classmethod
     def on_bound(cls, app: Celery) -> None:

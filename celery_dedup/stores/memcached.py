@@ -646,6 +646,18 @@ class _ServerClock:
         return t - self.server_at + self.wall_at
 
 
+def _require_driver(label: str) -> None:
+    """pymemcache is imported lazily: say which extra installs it, as every store does."""
+    try:
+        import pymemcache  # noqa: F401
+    except ImportError as exc:
+        from . import E_MISSING_DRIVER
+
+        raise ImproperlyConfigured(
+            E_MISSING_DRIVER.format(url=label, error=exc, extra="memcached")
+        ) from exc
+
+
 class MemcachedStore(CacheLocks):
     """Owner-checked TTL locks in memcached (pymemcache).
 
@@ -674,6 +686,7 @@ class MemcachedStore(CacheLocks):
         self.servers = list(servers)
         self.keyprefix = keyprefix
         self.label = label or f"memcached ({';'.join(_node(s) for s in self.servers)})"
+        _require_driver(self.label)
         if _safe_key(keyprefix, 100) != keyprefix and keyprefix:
             raise ImproperlyConfigured(E_KEY_PREFIX.format(store=self.label, prefix=keyprefix))
         self.options = {**DEFAULT_CLIENT_OPTIONS, **(options or {})}

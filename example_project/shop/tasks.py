@@ -44,9 +44,27 @@ def sync_address(self: Any, user_id: int, address: dict[str, str]) -> str:
     return "synced"
 
 
-@shared_task(bind=True, base=DedupTask, unique_for=300, on_duplicate="raise")
+def payment_key(payment_id: str, amount: str, currency: str) -> str:
+    """The payment's idempotency key: its id, whatever else the call says."""
+    return f"payment:{payment_id}"
+
+
+@shared_task(
+    bind=True,
+    base=DedupTask,
+    deduplication_key=payment_key,
+    unique_for=timedelta(hours=24),
+    unique_until="expiry",
+    on_duplicate="raise",
+)
 def process_payment(self: Any, payment_id: str, amount: str, currency: str) -> str:
-    """Charge once: a second identical call raises ``DuplicateTaskError`` (an HTTP 409)."""
+    """Charge once: one charge per payment id for 24 hours, even after it succeeded.
+
+    Money needs ``unique_until="expiry"``: under the default ``"success"`` a
+    finished charge frees its lock, and a double submit that arrives after it
+    (a retrying client, a second click) would charge again. A duplicate raises
+    ``DuplicateTaskError``, which the API answers with 409.
+    """
     _ran(self, f"payment={payment_id}")
     return f"charged {amount} {currency}"
 
@@ -85,9 +103,16 @@ def schedule_probe(server_url: str, attempt: int = 0) -> Any:
     return probe_server.apply_async((server_url, attempt), countdown=probe_countdown(attempt))
 
 
-@shared_task(bind=True, base=DedupTask, identity="always_unique")
+@shared_task(bind=True, base=DedupTask, identity="always_unique", unique_until="expiry")
 def notify(self: Any, user_id: int, template: str) -> str:
-    """Every notification is sent: no lock (unless a caller passes a key)."""
+    """A mail: every notification is sent, unless its caller passes an idempotency key.
+
+    Two "your export is ready" mails for two exports are two mails. A mail
+    triggered by an event passes the event as its key
+    (``deduplication_key=f"welcome:{user_id}"``): the lock lives for the
+    default TTL even after the mail went out (``unique_until="expiry"``), so a
+    redelivered event never sends it twice.
+    """
     _ran(self, f"user={user_id} template={template}")
     return "sent"
 

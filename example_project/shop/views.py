@@ -1,9 +1,10 @@
 """Two API endpoints that put celery-dedup in front of HTTP clients.
 
-``POST /payments/`` answers 201, or 409 for a payment already being
-processed (``on_duplicate="raise"``; the message never holds the other
-task's id). ``POST /orders/`` requires an ``Idempotency-Key`` header: the
-same key within 24 hours returns the first request's task, with 202.
+``POST /payments/`` answers 201, or 409 for a payment submitted within the
+last 24 hours, queued, running or already charged (``on_duplicate="raise"``;
+the message never holds the other task's id). ``POST /orders/`` requires an
+``Idempotency-Key`` header: the same key within 24 hours returns the first
+request's task, with 202.
 
 The views are not in a transaction (no ``ATOMIC_REQUESTS``), so the lock and
 the message exist as soon as the call returns; inside ``atomic()`` use

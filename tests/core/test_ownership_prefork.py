@@ -420,8 +420,8 @@ def test_revoked_message_never_runs_after_a_worker_restart(
     worker.stop()  # the revoke lived in that process's memory only
     worker.start()
     wait_until(lambda: "revoked)" in worker.text(), timeout=15)  # the start check refused it
+    wait_until(lambda: state_of(app, result.id) == states.REVOKED)  # stored after the log line
     assert runs(redis_server) == []
-    assert state_of(app, result.id) == states.REVOKED
     assert lock_of(result) is None
     fresh = queued.delay(1)
     assert fresh.deduplicated is False and fresh.get(timeout=10) == 1

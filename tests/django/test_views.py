@@ -28,7 +28,7 @@ def test_payment_created_then_conflict(client_: Client) -> None:
     second = _post(client_, "/payments/", body)
     assert second.status_code == 409
     data = second.json()
-    assert "already queued or running" in data["error"] and 0 < data["retry_after"] <= 300
+    assert "already enqueued" in data["error"] and 0 < data["retry_after"] <= 24 * 3600
     assert holder_id not in second.content.decode()
 
 

@@ -110,7 +110,7 @@ def _console(workdir: Path, sample: Sample, page: str) -> None:
         expected = next((out for out in lines[i + 1:] if out.strip()), "")
         argv = [sys.executable, "-m", *line[2:].split()]
         done = subprocess.run(argv, cwd=workdir, capture_output=True, text=True, timeout=120,
-                              check=False, env={**os.environ, "PYTHONPATH": str(workdir),
+                              check=False, env={**os.environ, "PYTHONPATH": _pythonpath(workdir),
                                                 "COLUMNS": "100"})
         output = (done.stdout + done.stderr).splitlines()
         if done.returncode != 0 or not output:
@@ -127,6 +127,11 @@ def _console(workdir: Path, sample: Sample, page: str) -> None:
         elif _first_line_differs(output[0], expected):
             raise SampleFailed(f"{page}:{sample.line}: {line!r} printed {output[0]!r}, "
                                  f"the page shows {expected!r}")
+
+
+def _pythonpath(workdir: Path) -> str:
+    """``workdir`` first, then the caller's ``PYTHONPATH`` (a checkout run without install)."""
+    return os.pathsep.join(p for p in (str(workdir), os.environ.get("PYTHONPATH", "")) if p)
 
 
 def _first_line_differs(got: str, shown: str) -> bool:

@@ -40,7 +40,9 @@ class CeleryDedupConfig(AppConfig):  # type: ignore[misc]
         from django.core import checks
         from django.core.signals import setting_changed
 
-        from .checks import check_settings
+        from .checks import check_settings, check_store, check_tasks
 
         checks.register(check_settings)
+        checks.register(check_tasks)
+        checks.register(check_store, checks.Tags.database)
         setting_changed.connect(_settings_changed, dispatch_uid="celery_dedup.settings_changed")

@@ -24,10 +24,17 @@ id                      setting
 ``celery_dedup.E013``   ``CELERY_DEDUP_REVOKED_TTL``
 ``celery_dedup.E014``   no lock store can be derived and
                         ``CELERY_DEDUP_FALLBACK`` is not set
+``celery_dedup.E015``   the lock store failed an acquire/release round
+                        trip (a ``database``-tagged check: run by
+                        ``manage.py check --database default`` and
+                        ``migrate``, never by a plain ``check``)
 ``celery_dedup.W001``   an unknown ``CELERY_DEDUP_*`` setting (a typo?)
 ``celery_dedup.W010``   the store is a Django cache without compare-and-set
                         (best effort owner checks)
 ``celery_dedup.W011``   the store is a ``LocMemCache`` (one process only)
+``celery_dedup.W020``   a task that is not a ``DedupTask`` sets dedup
+                        options (nothing reads them); checked once the
+                        Celery app is finalized
 ======================  ===============================================
 """
 
@@ -44,7 +51,7 @@ from ...exceptions import InvalidOptionError
 from ...options import KNOWN_SETTINGS, SETTINGS, did_you_mean
 from ...stores import ALIASES, ENTRY_POINT_GROUP, derive_store_url, split_url
 
-__all__ = ["CHECK_IDS", "check_settings", "django_setting_name"]
+__all__ = ["CHECK_IDS", "check_settings", "check_store", "check_tasks", "django_setting_name"]
 
 #: ``dedup_*`` setting → check id of its "invalid value" error.
 CHECK_IDS: Final[Mapping[str, str]] = {
@@ -65,6 +72,8 @@ CHECK_IDS: Final[Mapping[str, str]] = {
 E_UNKNOWN_SCHEME: Final = "celery_dedup.E009"
 E_STORE_OPTIONS: Final = "celery_dedup.E010"
 E_NO_STORE: Final = "celery_dedup.E014"
+E_STORE_UNUSABLE: Final = "celery_dedup.E015"
+W_PLAIN_TASK: Final = "celery_dedup.W020"
 W_UNKNOWN_SETTING: Final = "celery_dedup.W001"
 W_BEST_EFFORT_CACHE: Final = "celery_dedup.W010"
 W_LOCMEM_CACHE: Final = "celery_dedup.W011"
@@ -241,3 +250,60 @@ def _check_cache_store() -> Warning | None:
             id=W_LOCMEM_CACHE,
         )
     return None
+
+
+def check_store(
+    app_configs: Any = None, databases: Any = None, **kwargs: Any
+) -> list[CheckMessage]:
+    """One acquire/release round trip on the lock store (``database`` tag).
+
+    Django runs database checks only when asked (``check --database``,
+    ``migrate``), so ``runserver`` and test runs never wait for a store.
+    """
+    if not databases:
+        return []
+    app = _app()
+    try:
+        if app is None or derive_store_url(app) is None:
+            return []  # no store at all is E014's
+    except Exception:  # an invalid dedup_store is reported by E001/E009
+        return []
+    from ...startup import probe_store
+
+    probe = probe_store(app)
+    if probe.ok:
+        return []
+    return [Error(
+        f"celery-dedup's lock store is unusable: {probe.describe()}; DedupTask calls "
+        "will follow CELERY_DEDUP_FALLBACK (open: published WITHOUT deduplication)",
+        hint="Start the store or fix CELERY_DEDUP_STORE (or the result backend it is "
+        "derived from); `manage.py dedup_locks check` shows what each task would use.",
+        id=E_STORE_UNUSABLE,
+    )]
+
+
+def check_tasks(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Tasks that are not ``DedupTask`` but set dedup options nothing reads.
+
+    Looks only at an app already finalized (a worker's, or after ``celery
+    dedup check``): a system check must not import task modules or finalize
+    the app, since Celery's Django fixup runs the system checks while it
+    imports the task modules. ``DedupConfigWarning`` covers the other cases
+    when the app is finalized.
+    """
+    app = _app()
+    if app is None or not app.finalized:
+        return []
+    from ...startup import plain_tasks_with_options
+
+    return [
+        Warning(
+            f"task {name} sets {', '.join(options)} but is not a DedupTask: nothing "
+            "deduplicates it and the options are ignored",
+            hint="Define it with @shared_task(base=DedupTask, ...) "
+            "(from celery_dedup import DedupTask).",
+            id=W_PLAIN_TASK,
+            obj=name,
+        )
+        for name, options in plain_tasks_with_options(app).items()
+    ]

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,8 @@ from celery_dedup.stores import derive_store_url
 
 WORKER_START_TIMEOUT = 30.0
 RESULT_TIMEOUT = 30.0
+#: the address ``sync_address`` syncs twice
+HOME = {"street": "Invalidenstr. 1", "zip": "10115"}
 
 
 @dataclass
@@ -196,7 +199,6 @@ class Command(BaseCommand):
                 tally.published.append(result)
             return result
 
-        home = {"street": "Invalidenstr. 1", "zip": "10115"}
         for user_id in (1, 1, 1, 2):
             call("send_digest", user_id)
         self._say(
@@ -205,8 +207,8 @@ class Command(BaseCommand):
             "uses unique_until='expiry' with a 24-hour unique_for: at most one digest per "
             "user and day, even after it was sent (the lock lives 24 h from the first call).",
         )
-        first_sync = call("sync_address", 42, home)
-        call("sync_address", 42, home)
+        first_sync = call("sync_address", 42, HOME)
+        call("sync_address", 42, HOME)
         call("sync_address", 42, {"street": "Unter den Linden 5", "zip": "10117"})
         self._say(
             "sync_address: the same sync twice, then another address.",
@@ -214,7 +216,7 @@ class Command(BaseCommand):
             "(same task id); another address is other work and is published. With "
             "unique_until='success' this holds while the first sync is pending or running.",
         )
-        call("process_payment", "pay-1001", "19.99", "EUR")
+        payment = call("process_payment", "pay-1001", "19.99", "EUR")
         call("process_payment", "pay-1001", "19.99", "EUR")
         self._say(
             "process_payment: a double submit of payment pay-1001.",
@@ -238,12 +240,16 @@ class Command(BaseCommand):
             "One message, whose task id derives from the key (deterministic_id=True), so "
             "anyone can find its result from (server, attempt) alone.",
         )
-        call("notify", 1, "welcome")
-        call("notify", 1, "welcome")
+        call("notify", 1, "export-ready")
+        call("notify", 1, "export-ready")
+        call("notify", 1, "welcome", deduplication_key="welcome:user-1")
+        call("notify", 1, "welcome", deduplication_key="welcome:user-1")
         self._say(
-            "notify: the same notification twice.",
-            "Both are sent: identity='always_unique' takes no lock unless a caller passes "
-            "a key.",
+            "notify: two 'export ready' mails, then a keyed welcome mail twice.",
+            "Without a key both mails are sent: identity='always_unique' takes no lock. "
+            "With the key welcome:user-1 the second welcome is suppressed; the lock "
+            "outlives the mail (unique_until='expiry'), so a redelivered event never sends "
+            "it twice.",
         )
         beat = {"headers": {"celery_beat_task": True}}
         call("purge_expired_locks", **beat)
@@ -253,8 +259,24 @@ class Command(BaseCommand):
             "One run; the second tick is suppressed (beat never gets an exception).",
         )
 
+        self._after_the_first_runs(call, payment, first_sync, probe)
+        return tallies
+
+    def _after_the_first_runs(
+        self, call: Callable[..., Any], payment: Any, first_sync: Any, probe: Any
+    ) -> None:
+        """The scenarios that wait for a first run: what a finished run lets in."""
+        charged = payment.get(timeout=RESULT_TIMEOUT, interval=0.1)
+        call("process_payment", "pay-1001", "19.99", "EUR")
+        self._say(
+            f"process_payment: pay-1001 submitted again after the worker {charged}.",
+            "Refused again with DuplicateTaskError: the charge ran once. The payment's "
+            "idempotency key (payment:<id>) is locked with unique_until='expiry' for 24 "
+            "hours, so a finished charge does not let the same payment in; under the "
+            "default unique_until='success' it would have charged twice.",
+        )
         first_sync.get(timeout=RESULT_TIMEOUT, interval=0.1)
-        again = call("sync_address", 42, home)
+        again = call("sync_address", 42, HOME)
         self._say(
             "sync_address again, after the first sync succeeded.",
             f"Published ({'a new task' if again is not None and not again.deduplicated else '?'})"
@@ -269,7 +291,6 @@ class Command(BaseCommand):
             "and its owner token is marked revoked: the message can never run its body, "
             "even if a worker receives it later.",
         )
-        return tallies
 
     # -- the table ---------------------------------------------------------------
 

@@ -8,6 +8,7 @@
     manage.py dedup_locks purge [--task NAME] [--force [--noinput]] [--dry-run]
     manage.py dedup_locks reap [--task NAME] [--dry-run]
     manage.py dedup_locks stats [--json]
+    manage.py dedup_locks check [--json] [--timeout SECONDS]
 
 The same subcommands, options and rules as ``celery -A proj dedup`` (both
 run ``celery_dedup.cli.Operator``), on the store of the project's Celery app
@@ -21,7 +22,8 @@ from typing import Any, cast
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from celery_dedup.cli import CommandFailed, Operator
+from celery_dedup.cli import CommandFailed, Operator, check_lines, check_report
+from celery_dedup.startup import PROBE_TIMEOUT
 
 _HELP = {
     "list": "List the live locks.",
@@ -30,6 +32,8 @@ _HELP = {
     "purge": "Release the locks no longer needed; --force releases the others too.",
     "reap": "Release the locks of holders that finished in a state their policy releases on.",
     "stats": "Per-task counters and live locks.",
+    "check": "Probe the store (one acquire/release round trip) and show what each task "
+             "would use; exits 1 when deduplication does not work as configured.",
 }
 
 
@@ -50,12 +54,16 @@ class Command(BaseCommand):  # type: ignore[misc]
         for name in ("list", "purge", "reap"):
             parsers[name].add_argument("--task", metavar="NAME",
                                        help="Only the locks of this task name.")
-        for name in ("list", "show", "stats"):
+        for name in ("list", "show", "stats", "check"):
             parsers[name].add_argument("--json", action="store_true", dest="as_json",
                                        help="Print JSON.")
         for name in ("release", "purge", "reap"):
             parsers[name].add_argument("--dry-run", action="store_true",
                                        help="Only print what would be released.")
+        parsers["check"].add_argument(
+            "--timeout", type=float, default=PROBE_TIMEOUT,
+            help="Seconds to wait for the store before calling it unreachable.",
+        )
         parsers["show"].add_argument(
             "key_or_task_id", metavar="KEY_OR_TASK_ID",
             help="A key, a digest prefix, or the holder's task id (or a prefix of it).",
@@ -82,6 +90,9 @@ class Command(BaseCommand):  # type: ignore[misc]
         if options.get("expired"):
             self.stderr.write("--expired is deprecated and has no effect: purge now releases "
                               "only the locks no longer needed, unless --force.")
+        if action == "check":
+            self._check(cast(Any, current_app)._get_current_object(), options)
+            return
         try:
             operator = Operator(
                 cast(Any, current_app)._get_current_object(),
@@ -105,3 +116,16 @@ class Command(BaseCommand):  # type: ignore[misc]
                 operator.stats(options["as_json"])
         except CommandFailed as exc:
             raise CommandError(str(exc)) from exc
+
+    def _check(self, app: Any, options: dict[str, Any]) -> None:
+        from kombu.utils.json import dumps
+
+        app.loader.import_default_modules()
+        ok, report = check_report(app, options["timeout"])
+        if options["as_json"]:
+            self.stdout.write(dumps({"ok": ok, **report}))
+        else:
+            for line in check_lines(ok, report, self.style.SUCCESS("OK")):
+                self.stdout.write(line)
+        if not ok:
+            raise CommandError("deduplication does not work as configured", returncode=1)
