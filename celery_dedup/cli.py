@@ -37,7 +37,7 @@ from celery.bin.base import CeleryCommand, CeleryOption
 from kombu.utils.json import dumps
 
 from .api import release as release_lock
-from .exceptions import ScanNotSupported, StoreUnavailable
+from .exceptions import ScanNotSupported, StoreError
 from .metrics import EVENTS, live_locks
 from .reaper import reap as reap_locks
 from .reaper import result_of_this_run, should_release
@@ -285,7 +285,7 @@ class Operator:
         prefix = f"{self.prefix}:{task}:" if task else f"{self.prefix}:"
         try:
             locks = [lock for lock in self.store.scan(prefix) if not task or lock.task_name == task]
-        except (StoreUnavailable, ScanNotSupported) as exc:
+        except (StoreError, ScanNotSupported) as exc:
             raise CommandFailed(str(exc)) from exc
         return sorted(locks, key=lambda lock: (lock.task_name, lock.key))
 
@@ -297,7 +297,7 @@ class Operator:
         if key_or_id.startswith(self.prefix + ":"):
             try:
                 found = self.store.get(key_or_id)
-            except StoreUnavailable as exc:
+            except StoreError as exc:
                 raise CommandFailed(str(exc)) from exc
             if found is None:
                 raise CommandFailed(f"no live lock at {key_or_id}")
@@ -408,7 +408,7 @@ class Operator:
             return
         try:
             reaped = reap_locks(self.app, task_name=task)
-        except StoreUnavailable as exc:
+        except StoreError as exc:
             raise CommandFailed(str(exc)) from exc
         for lock in reaped:
             holder = f"{lock.task_name}[{lock.task_id}]"
@@ -421,7 +421,7 @@ class Operator:
             counts = self.runtime.metrics.read()
         except TypeError as exc:
             raise CommandFailed(f"{exc}: no counters to show") from exc
-        except StoreUnavailable as exc:
+        except StoreError as exc:
             raise CommandFailed(str(exc)) from exc
         live = live_locks(self.scan())
         tasks = sorted({name for name, _ in counts} | set(live))

@@ -18,12 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-<<<<<<< HEAD
-from .exceptions import DeduplicationUnavailable, ImproperlyConfigured, StoreError
-=======
 from .events import default_send_events
-from .exceptions import DeduplicationUnavailable, ImproperlyConfigured, StoreUnavailable
->>>>>>> ops
+from .exceptions import DeduplicationUnavailable, ImproperlyConfigured, StoreError
 from .identity import Identity
 from .metrics import Metrics, flush_interval
 from .native import Native
