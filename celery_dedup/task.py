@@ -31,6 +31,7 @@ from .identity import (
     deterministic_task_id,
     lock_key,
 )
+from .lifecycle import Held, Outcome, meta_for
 from .options import (
     OnDuplicate,
     ResolvedOptions,
@@ -432,7 +433,7 @@ class DedupTask(_Task):
         replaces = call.on_duplicate is OnDuplicate.REPLACE
         owner = new_token()
         holder_id = str(options.get("group_id") or task_id) if canvas_key else task_id
-        meta = worker.meta_for(self, holder_id, until)
+        meta = meta_for(self, holder_id, until)
         previous: Lock | None = None
         holder: Lock | None = None
         try:
@@ -750,21 +751,21 @@ class DedupTask(_Task):
         try:
             retval = super().__call__(*args, **kwargs)
         except Retry:
-            worker.finish(self, held, worker.Outcome.RETRIED)  # the retry holds the lock
+            worker.finish(self, held, Outcome.RETRIED)  # the retry holds the lock
             raise
         except Ignore:
-            worker.finish(self, held, worker.Outcome.IGNORED)
+            worker.finish(self, held, Outcome.IGNORED)
             raise
         except Reject as exc:
             requeued = getattr(exc, "requeue", False)
             worker.finish(
-                self, held, worker.Outcome.REQUEUED if requeued else worker.Outcome.REJECTED
+                self, held, Outcome.REQUEUED if requeued else Outcome.REJECTED
             )
             raise
         except Exception:
-            worker.finish(self, held, worker.Outcome.FAILURE)
+            worker.finish(self, held, Outcome.FAILURE)
             raise
-        worker.finish(self, held, worker.Outcome.SUCCESS)
+        worker.finish(self, held, Outcome.SUCCESS)
         return retval
 
     def on_failure(self, exc: Exception, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
@@ -774,7 +775,7 @@ class DedupTask(_Task):
         releases by itself, before the failure is stored.
         """
         if self.request.id != task_id:
-            worker.release_from_main_process(self, task_id, args, kwargs, worker.Outcome.FAILURE)
+            worker.release_from_main_process(self, task_id, args, kwargs, Outcome.FAILURE)
         super().on_failure(exc, task_id, args, kwargs, einfo)
 
     def on_replace(self, sig: Any) -> Any:
@@ -785,7 +786,7 @@ class DedupTask(_Task):
         replacement (a plain task, a chain, a group) ends this run's hold:
         the lock is released as on success.
         """
-        held: worker.Held | None = getattr(self.request, "dedup_held", None)
+        held: Held | None = getattr(self.request, "dedup_held", None)
         if held is not None and not self.request.is_eager and _takes_over_lock(self, sig):
             headers = dict(sig.options.get("headers") or {})
             headers[HEADER] = held.header.encode()

@@ -18,9 +18,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from celery import states
 from celery.exceptions import Ignore, Retry, TimeLimitExceeded, WorkerLostError
@@ -34,13 +32,11 @@ from . import leases, runs
 from .exceptions import StoreContention, StoreError, StoreUnavailable
 from .header import HEADER, LockHeader, new_token, read_header
 from .identity import deterministic_task_id
+from .lifecycle import DedupTaskLike, Held, Outcome, meta_for
 from .options import Fallback
 from .policy import UniqueUntil, lock_ttl
 from .signals import lock_acquired, lock_released, task_skipped
 from .stores.base import Claim, ClaimOutcome, Lock, LockStore, RunOutcome, RunRef
-
-if TYPE_CHECKING:
-    from .task import DedupTask
 
 __all__ = [
     "GUARD_PREFIX",
@@ -68,60 +64,13 @@ _received: dict[str, weakref.WeakSet[Any]] = {}
 _eager = threading.local()
 
 
-class Outcome(str, Enum):
-    """How a run ended, as far as its lock is concerned."""
-
-    SUCCESS = "success"
-    FAILURE = "failure"
-    #: ``raise Ignore()`` in the body, or ``replace()`` with a replacement
-    #: that does not take the lock over: released like a success
-    IGNORED = "ignored"
-    #: ``raise Reject(requeue=False)``: released like a failure
-    REJECTED = "rejected"
-    #: revoked, expired or terminated by a revoke
-    REVOKED = "revoked"
-    #: ``raise Reject(requeue=True)``: the message goes back to its queue
-    REQUEUED = "requeued"
-    #: ``self.retry()``: the retry was published holding the lock
-    RETRIED = "retried"
-
-    def releases(self, until: UniqueUntil) -> bool:
-        """Whether a lock under ``until`` is released when a run ends like this."""
-        if self in (Outcome.REQUEUED, Outcome.RETRIED):
-            return False
-        if self in (Outcome.SUCCESS, Outcome.IGNORED):
-            return until.releases_on_success()
-        if self in (Outcome.FAILURE, Outcome.REJECTED):
-            return until.releases_on_failure()
-        return until.releases_on_revoke()
-
-
-@dataclass
-class Held:
-    """The lock a running message holds, from its start claim to its end."""
-
-    store: LockStore
-    header: LockHeader
-    key: str
-    owner: str
-    task_id: str
-    #: set when the lock passed to a replacement (``self.replace()``)
-    handed_over: bool = False
-    #: this copy's run record (``None``: eager, or the store did not answer)
-    run: RunRef | None = None
-    #: the start claim could not reach the store: the lock may not be this run's
-    unchecked: bool = False
-    #: ``unique_until="start"``: released by the start claim already
-    released: bool = False
-
-
 def short(key: str) -> str:
     """A key as logged: its digest's first 16 hex digits, never raw material."""
     return key.rsplit(":", 1)[-1][:16]
 
 
 def release(
-    task: DedupTask,
+    task: DedupTaskLike,
     store: LockStore,
     key: str,
     owner: str,
@@ -148,7 +97,7 @@ def release(
     return released
 
 
-def _count_release(task: DedupTask, key: str, task_id: str, reason: str) -> None:
+def _count_release(task: DedupTaskLike, key: str, task_id: str, reason: str) -> None:
     task.dedup_config().runtime.metrics.incr(task.name, "released")
     if lock_released.receivers:
         lock_released.send(sender=task, key=key, task_id=task_id, reason=reason)
@@ -158,13 +107,8 @@ def _count_release(task: DedupTask, key: str, task_id: str, reason: str) -> None
         )
 
 
-def meta_for(task: DedupTask, task_id: str, until: UniqueUntil) -> dict[str, str]:
-    """The metadata a lock of ``task`` is written with."""
-    return {"task_name": task.name, "policy": until.value, "task_id": task_id}
-
-
 def republish_as_holder(
-    task: DedupTask,
+    task: DedupTaskLike,
     task_id: str,
     options: dict[str, Any],
     publish: Callable[[str, LockHeader], Any],
@@ -212,7 +156,7 @@ def republish_as_holder(
     return publish(task_id, header)
 
 
-def _skip(task: DedupTask, task_id: str, key: str, holder_id: str | None, reason: str) -> None:
+def _skip(task: DedupTaskLike, task_id: str, key: str, holder_id: str | None, reason: str) -> None:
     """End the task without running its body: IGNORED, or REVOKED for a revoked owner.
 
     No state is written under a task id another run shares (a deterministic
@@ -240,7 +184,7 @@ def _skip(task: DedupTask, task_id: str, key: str, holder_id: str | None, reason
 
 
 def guard_header(
-    task: DedupTask,
+    task: DedupTaskLike,
     task_id: str,
     args: Any,
     kwargs: Any,
@@ -270,7 +214,7 @@ def guard_header(
     return LockHeader(key=key, until=UniqueUntil.EXPIRY, unique_for=config.unique_for, token=token)
 
 
-def guard_header_of(task: DedupTask, request: Any) -> LockHeader | None:
+def guard_header_of(task: DedupTaskLike, request: Any) -> LockHeader | None:
     """``guard_header`` of a received message: its queue and serializer as delivered."""
     args = getattr(request, "args", None) or ()
     kwargs = getattr(request, "kwargs", None) or {}
@@ -281,7 +225,7 @@ def guard_header_of(task: DedupTask, request: Any) -> LockHeader | None:
 
 
 def delivered_queue(
-    task: DedupTask, delivery_info: Mapping[str, Any], args: Any, kwargs: Any
+    task: DedupTaskLike, delivery_info: Mapping[str, Any], args: Any, kwargs: Any
 ) -> str:
     """The queue a message was routed to, from its exchange and routing key.
 
@@ -306,7 +250,7 @@ _SECRET_TTL = 10 * 365 * 24 * 3600.0
 _secrets: dict[int, str] = {}
 
 
-def guard_token(task: DedupTask, task_id: str) -> str:
+def guard_token(task: DedupTaskLike, task_id: str) -> str:
     """The owner token of the guard lock of ``task_id``: an HMAC under the store's secret."""
     runtime = task.dedup_config().runtime
     store = runtime.store
@@ -327,7 +271,7 @@ def guard_token(task: DedupTask, task_id: str) -> str:
 
 
 def claim_at_start(
-    task: DedupTask, task_id: str, args: Any, kwargs: Any, request: Any = None
+    task: DedupTaskLike, task_id: str, args: Any, kwargs: Any, request: Any = None
 ) -> Held | None:
     """The start check: one round trip that confirms this message still owns its lock.
 
@@ -397,7 +341,7 @@ def _run_of(request: Any, key: str, owner: str) -> RunRef | None:
 
 
 def _claim_run(
-    task: DedupTask,
+    task: DedupTaskLike,
     request: Any,
     store: LockStore,
     run: RunRef,
@@ -424,7 +368,7 @@ def _claim_run(
 
 
 def _claim_failed(
-    task: DedupTask,
+    task: DedupTaskLike,
     request: Any,
     header: LockHeader,
     owner: str,
@@ -465,7 +409,7 @@ def _never() -> LockStore:
 
 
 def _defer(
-    task: DedupTask,
+    task: DedupTaskLike,
     request: Any,
     args: Any,
     kwargs: Any,
@@ -502,11 +446,12 @@ def _defer(
         headers[HEADER] = header.encode()
     headers.pop(runs.DELIVERY_FIELD, None)
     options["headers"] = headers
-    Task.apply_async(task, args, kwargs, **options)
+    plain: Any = task  # the message as it was: Celery's own publish, no new lock
+    Task.apply_async(plain, args, kwargs, **options)
     raise Ignore(f"celery-dedup: deferred ({reason})")
 
 
-def _done_ttl(task: DedupTask, held: Held) -> float:
+def _done_ttl(task: DedupTaskLike, held: Held) -> float:
     settings = task.dedup_config().runtime.settings
     return runs.done_ttl_for(
         held.header.unique_for or settings.default_ttl,
@@ -516,7 +461,7 @@ def _done_ttl(task: DedupTask, held: Held) -> float:
     )
 
 
-def _end_quietly(task: DedupTask, held: Held, release: bool | None) -> bool:
+def _end_quietly(task: DedupTaskLike, held: Held, release: bool | None) -> bool:
     """End this attempt's run (done marker) and release or settle its lock in one step.
 
     A store error is logged, never raised: a release that did not land is
@@ -546,7 +491,7 @@ def _end_quietly(task: DedupTask, held: Held, release: bool | None) -> bool:
         return False
 
 
-def _abandon_run(task: DedupTask, store: LockStore, run: RunRef) -> None:
+def _abandon_run(task: DedupTaskLike, store: LockStore, run: RunRef) -> None:
     """Give this copy's lease up: the run did not complete, a copy may run now."""
     try:
         runs.records_of(store).abandon_run(run)
@@ -561,7 +506,7 @@ def _abandon_run(task: DedupTask, store: LockStore, run: RunRef) -> None:
 
 
 def _not_owned(
-    task: DedupTask,
+    task: DedupTaskLike,
     store: LockStore,
     header: LockHeader,
     owner: str,
@@ -598,7 +543,7 @@ def header_of(request: Any) -> LockHeader | None:
 
 
 def _defer_to_pending_replacement(
-    task: DedupTask, store: LockStore, key: str, owner: str, holder: Lock | None
+    task: DedupTaskLike, store: LockStore, key: str, owner: str, holder: Lock | None
 ) -> None:
     """A replaced message whose replacement has not started yet waits for it.
 
@@ -633,7 +578,7 @@ def _remember_guard(request: Any, header: LockHeader) -> None:
         request.headers = {HEADER: header.encode()}
 
 
-def finish(task: DedupTask, held: Held, outcome: Outcome) -> None:
+def finish(task: DedupTaskLike, held: Held, outcome: Outcome) -> None:
     """Apply the policy when the run ends, before the result is stored.
 
     The attempt's done marker is written first, in the same store call (a
@@ -703,7 +648,7 @@ def header_from_main_process(task_id: str) -> LockHeader | None:
 
 
 def release_from_main_process(
-    task: DedupTask, task_id: str, args: Any, kwargs: Any, outcome: Outcome
+    task: DedupTaskLike, task_id: str, args: Any, kwargs: Any, outcome: Outcome
 ) -> None:
     """A hard time limit of a request received by a ``task_received`` receiver.
 
@@ -715,7 +660,7 @@ def release_from_main_process(
         release_killed_run(task, request, outcome)
 
 
-def release_killed_run(task: DedupTask, request: Any, outcome: Outcome) -> None:
+def release_killed_run(task: DedupTaskLike, request: Any, outcome: Outcome) -> None:
     """The pool child running ``request`` is gone: release per policy from the main process.
 
     A guard lock (``send_task``) is released too: the run it throttled was killed.
@@ -742,7 +687,7 @@ def _killed_run_releases(header: LockHeader, outcome: Outcome) -> bool:
     return outcome.releases(header.until) or (header.token or "").startswith(GUARD_PREFIX)
 
 
-def _give_delivery_token(task: DedupTask, request: Any) -> None:
+def _give_delivery_token(task: DedupTaskLike, request: Any) -> None:
     """Give a received message its delivery token and keep its running lease alive.
 
     The token travels with the request to the pool child (its run record's
@@ -761,7 +706,7 @@ def _give_delivery_token(task: DedupTask, request: Any) -> None:
     leases.remember(request, store, run, runtime.settings.lease_ttl)
 
 
-def _guard_unannounced(task: DedupTask, request: Any) -> None:
+def _guard_unannounced(task: DedupTaskLike, request: Any) -> None:
     """Give a message without the header (``send_task``) its guard header.
 
     Computed in the main process, where the message's routing and content
@@ -844,7 +789,7 @@ def _remember_request(sender: Any = None, request: Any = None, **_: Any) -> None
     _give_delivery_token(task, request)
 
 
-def prepare_strategy(task: DedupTask) -> None:
+def prepare_strategy(task: DedupTaskLike) -> None:
     """Called as the worker builds ``task``'s strategy (``DedupTask.start_strategy``).
 
     A ``DedupTask`` keeps the default ``DedupRequest``, and then the worker

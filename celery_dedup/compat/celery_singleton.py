@@ -35,11 +35,11 @@ from ..exceptions import E_DUPLICATE, DedupError, InvalidOptionError
 from ..exceptions import DuplicateTaskError as _DuplicateTaskError
 from ..header import new_token
 from ..identity import ArgumentBinder, as_delivered
+from ..lifecycle import meta_for
 from ..options import OnDuplicate, ResolvedOptions, validate_bool, validate_positive_seconds
 from ..runtime import runtime_for
 from ..stores.base import LockStore
 from ..task import DedupTask, TaskConfig
-from ..worker import meta_for
 from . import (
     adopt_setting,
     class_path,
