@@ -697,8 +697,12 @@ def _give_delivery_token(task: DedupTaskLike, request: Any) -> None:
     header = read_header(request_dict)
     if header is None or header.key is None:
         return
-    runtime = task.dedup_config().runtime
-    store = runtime.store
+    try:
+        runtime = task.dedup_config().runtime
+        store = runtime.store
+    except Exception as exc:  # the start claim reports the store's configuration error
+        logger.debug("celery-dedup: no run record for %s[%s]: %s", task.name, request.id, exc)
+        return
     if store is None:
         return
     token = request_dict[runs.DELIVERY_FIELD] = new_token()
