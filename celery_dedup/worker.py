@@ -744,7 +744,8 @@ class DedupRequest(Request):
     ) -> None:
         """The pool reports a hard time limit here first, then calls ``on_timeout``."""
         exc = getattr(exc_info, "exception", None)
-        if not return_ok and isinstance(getattr(exc, "exc", exc), TimeLimitExceeded):
+        exc = getattr(exc, "exc", exc)  # (an ExceptionWithTraceback from the pool)
+        if not return_ok and isinstance(exc, TimeLimitExceeded):
             self._release_killed_run()
         elif isinstance(exc, WorkerLostError):
             abandon_lost_run(self)
