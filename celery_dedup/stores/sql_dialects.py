@@ -6,7 +6,10 @@ building the single statement (or the shortest transaction) an operation
 needs: PostgreSQL, SQLite, MySQL and MariaDB. Statements are written in
 SQLAlchemy Core and rendered once per store for its engine (``_Statement``);
 each call then only binds values. ``stores/sql.py`` holds the store that
-runs them (through a ``_Runner``) and retries lost races.
+runs them (through a ``_Runner``) and retries lost races. Run records
+(``RunRecords``) are rows of the lock table at ``RunRef.record``, owned by
+the copy's delivery token: a lease (``RUNNING_POLICY``) or a done marker
+(``DONE_POLICY``).
 """
 
 from __future__ import annotations
