@@ -837,26 +837,30 @@ class _Transactional(_Dialect):
         if run(fast, params).rowcount:
             return ClaimOutcome.OWNED, None
         with _transaction(run, self.begin):
-            revoked = run(self.locked_marker, params).first() is not None
-            row = self.hold(run, params)
-            inserted = row.token == params["b_token"]
-            live = not inserted and row.expires_at > row.now
-            mine = live and row.owner == params["b_owner"]
-            if revoked:
-                if inserted or mine:
-                    run(self.drop, params)
-                return ClaimOutcome.REVOKED, None
-            if mine:
-                run(self.drop if params["b_release"] else self.start, params)
-                return ClaimOutcome.OWNED, None
-            if live:
-                return ClaimOutcome.HELD, row
-            # Free: keep the row we inserted only when asked to take the key.
-            if params["b_take"] and not inserted:
-                run(self.replace, params)
-            elif inserted and not params["b_take"]:
+            return self.claim_locked(run, params)
+
+    def claim_locked(self, run: _Runner, params: dict[str, Any]) -> tuple[ClaimOutcome, Any]:
+        """The start check past its one-statement try, inside a transaction."""
+        revoked = run(self.locked_marker, params).first() is not None
+        row = self.hold(run, params)
+        inserted = row.token == params["b_token"]
+        live = not inserted and row.expires_at > row.now
+        mine = live and row.owner == params["b_owner"]
+        if revoked:
+            if inserted or mine:
                 run(self.drop, params)
-            return ClaimOutcome.FREE, None
+            return ClaimOutcome.REVOKED, None
+        if mine:
+            run(self.drop if params["b_release"] else self.start, params)
+            return ClaimOutcome.OWNED, None
+        if live:
+            return ClaimOutcome.HELD, row
+        # Free: keep the row we inserted only when asked to take the key.
+        if params["b_take"] and not inserted:
+            run(self.replace, params)
+        elif inserted and not params["b_take"]:
+            run(self.drop, params)
+        return ClaimOutcome.FREE, None
 
     def revoke(self, run: _Runner, params: dict[str, Any]) -> RevokeOutcome:
         with _transaction(run, self.begin):
@@ -913,6 +917,30 @@ class _SQLite(_Transactional):
         if run(self.lease_returning, params).first() is not None:
             return True, None
         return False, run(self.run_record, params).first()
+
+    # In process, a statement costs no round trip but each commit a sync of
+    # the file: the lease and the claim, or the done marker and the
+    # release, commit together.
+
+    def claim_run(
+        self, run: _Runner, params: dict[str, Any]
+    ) -> tuple[RunOutcome, tuple[ClaimOutcome, Any] | None]:
+        with _transaction(run, self.begin):
+            taken, holder = self.take_lease(run, params)
+            if not taken:
+                # BEGIN IMMEDIATE: no other writer ran since the upsert.
+                done = holder is not None and holder.policy == DONE_POLICY
+                return (RunOutcome.DONE if done else RunOutcome.RUNNING), None
+            fast = self.release_mine if params["b_release"] else self.start_mine
+            if run(fast, params).rowcount:
+                return RunOutcome.BEGUN, (ClaimOutcome.OWNED, None)
+            return RunOutcome.BEGUN, self.claim_locked(run, params)
+
+    def end_run(self, run: _Runner, params: dict[str, Any]) -> bool:
+        if not (params["b_release"] or params["b_settle"]):
+            return super().end_run(run, params)
+        with _transaction(run, self.begin):
+            return super().end_run(run, params)
 
     def build_mark_revoked(self) -> Insert:
         ins = sqlite.insert(revoked_table).values(**self.marker_values())

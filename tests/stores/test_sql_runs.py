@@ -174,17 +174,22 @@ def test_claim_run_and_end_run_are_one_statement_on_postgres(
 )
 def test_run_statement_shapes_elsewhere(runs_store: SQLStore, recorder: Recorder) -> None:
     """SQLite and MariaDB: claim_run is the lease's upsert then the one-statement claim;
-    end_run the done marker's upsert then the lock's DELETE or UPDATE. No transaction."""
+    end_run the done marker's upsert then the lock's DELETE or UPDATE. MariaDB commits
+    each statement (round trips), SQLite both in one transaction (one sync of the file)."""
     store = runs_store
     sqlite = store.engine.dialect.name == "sqlite"
     assert sqlite or is_mariadb(store)
+
+    def txn(steps: list[str]) -> list[str]:
+        return ["BEGIN", *steps, "COMMIT"] if sqlite else steps
+
     assert store.acquire("k", "owner-a", 30, META) is None
     first = RunRef("k", "owner-a", "0.0", "copy-1")
     answer, sent = sent_by(
         recorder, store, lambda: store.claim_run(first, 30, META, release=False, ttl=None)
     )
     assert answer[0] is RunOutcome.BEGUN and answer[1].outcome is ClaimOutcome.OWNED
-    assert verbs(sent) == ["INSERT", "UPDATE"]
+    assert verbs(sent) == txn(["INSERT", "UPDATE"])
     answer, sent = sent_by(
         recorder,
         store,
@@ -194,13 +199,13 @@ def test_run_statement_shapes_elsewhere(runs_store: SQLStore, recorder: Recorder
     )
     assert answer == (RunOutcome.RUNNING, None)
     # SQLite reads the other copy's record in process (no round trip).
-    assert verbs(sent) == (["INSERT", "SELECT"] if sqlite else ["INSERT"])
+    assert verbs(sent) == (txn(["INSERT", "SELECT"]) if sqlite else ["INSERT"])
     for release, last in ((False, ["UPDATE"]), (None, []), (True, ["DELETE"])):
         answer, sent = sent_by(
             recorder, store, lambda release=release: store.end_run(first, 60, META, release=release)
         )
         assert answer is (release is not None)
-        assert verbs(sent) == ["INSERT", *last]
+        assert verbs(sent) == (txn(["INSERT", *last]) if last else ["INSERT"])
     answer, sent = sent_by(recorder, store, lambda: store.abandon_run(first))
     assert answer is False  # a done marker is no lease
     assert verbs(sent) == ["DELETE"]
