@@ -597,8 +597,9 @@ class SQLStore:
     def renew_runs(self, runs: Sequence[RunRef], lease: float, *, batch: int = 5000) -> int:
         """Renew every live lease its copy holds: one UPDATE per ``batch`` runs."""
 
+
         def renew(pairs: list[tuple[str, str]], dialect: _Dialect, run: _Runner) -> int:
-            return run.connection.execute(dialect.renew(pairs, lease)).rowcount
+            return dialect.renew_runs(run, pairs, lease)
 
         renewed = 0
         for start in range(0, len(runs), batch):

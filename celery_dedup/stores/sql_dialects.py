@@ -418,12 +418,12 @@ class _Dialect:
         """Whether the existing run record may become this copy's lease: lapsed, or its own."""
         return or_(_L.expires_at <= self.now, _L.owner == bindparam("b_run", type_=String()))
 
-    def renew(self, pairs: Sequence[tuple[str, str]], lease: float) -> Executable:
+    def renew_runs(self, run: _Runner, pairs: Sequence[tuple[str, str]], lease: float) -> int:
         """One ``UPDATE`` renewing the live leases of ``(record, delivery token)`` pairs.
 
-        Built per call (Core): the list's length varies.
+        Built per call (Core: the list's length varies); how many it renewed.
         """
-        return (
+        statement = (
             update(lock_table)
             .where(
                 tuple_(_L.key, _L.owner).in_(list(pairs)),
@@ -432,6 +432,7 @@ class _Dialect:
             )
             .values(expires_at=self.now + bindparam("b_renew", float(lease), type_=Double()))
         )
+        return run.connection.execute(statement).rowcount
 
     def marker_values(self) -> dict[str, Any]:
         """The VALUES of a revoked marker living ``b_ttl`` seconds."""
@@ -540,6 +541,22 @@ class _Postgres(_Dialect):
         self.revoke_stmt = self.render(self._revoke_statement())
         self.claim_run_stmt = self.render(self._claim_run_statement(values, new))
         self.end_run_stmt = self.render(self._end_run_statement())
+        # renew_runs: two arrays, so the statement is rendered once and
+        # planned as a join, whatever the number of runs.
+        runs = func.unnest(
+            bindparam("b_records", type_=postgresql.ARRAY(String())),
+            bindparam("b_runs", type_=postgresql.ARRAY(String())),
+        ).table_valued("record", "run").render_derived(name="runs")
+        self.renew_stmt = self.render(
+            update(lock_table)
+            .where(
+                _L.key == runs.c.record,
+                _L.owner == runs.c.run,
+                _L.policy == RUNNING_POLICY,
+                self.live,
+            )
+            .values(expires_at=self.now + bindparam("b_lease", type_=Double()))
+        )
 
     def _run_upsert(self, where: ColumnElement[bool] | None) -> Insert:
         """Insert the run record, or overwrite it (when ``where`` holds)."""
@@ -706,6 +723,14 @@ class _Postgres(_Dialect):
 
     def end_run(self, run: _Runner, params: dict[str, Any]) -> bool:
         return bool(run(self.end_run_stmt, params).one().held)
+
+    def renew_runs(self, run: _Runner, pairs: Sequence[tuple[str, str]], lease: float) -> int:
+        params = {
+            "b_records": [record for record, _ in pairs],
+            "b_runs": [token for _, token in pairs],
+            "b_lease": float(lease),
+        }
+        return run(self.renew_stmt, params).rowcount
 
     def revoke(self, run: _Runner, params: dict[str, Any]) -> RevokeOutcome:
         for _ in range(_RACE_RETRIES):
