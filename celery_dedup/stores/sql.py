@@ -35,7 +35,7 @@ import secrets
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from functools import partial
 from typing import TYPE_CHECKING, Any, cast
@@ -64,10 +64,14 @@ from ..exceptions import (
     StoreUnavailable,
 )
 from .base import (
+    DONE_POLICY,
+    RUNNING_POLICY,
     Claim,
     Lock,
     LockMeta,
     RevokeOutcome,
+    RunOutcome,
+    RunRef,
     revoked_marker_key,
     server_answer,
     store_errors,
@@ -531,6 +535,77 @@ class SQLStore:
             if len(rows) < batch:
                 return
             after = rows[-1].key
+
+    # -- RunRecords --------------------------------------------------------
+
+    @staticmethod
+    def _run_params(run: RunRef, ttl: float, policy: str) -> dict[str, Any]:
+        """The bound values of ``run``'s record: a row of the lock table at ``run.record``."""
+        return {
+            "b_record": run.record,
+            "b_run": run.token,
+            "b_run_policy": policy,
+            "b_run_token": secrets.token_hex(16),
+            "b_lease": float(ttl),
+        }
+
+    def claim_run(
+        self,
+        run: RunRef,
+        lease: float,
+        meta: LockMeta,
+        *,
+        release: bool,
+        ttl: float | None,
+    ) -> tuple[RunOutcome, Claim | None]:
+        """The lease, then the start claim (see ``RunRecords.claim_run``).
+
+        One statement on PostgreSQL. Elsewhere the lease's upsert (MySQL:
+        plus a read), then ``claim`` (one statement when the holder starts).
+        """
+        params = self._params(run.key, run.owner, ttl or 0.0, {**meta, "started": "1"})
+        params["b_marker"] = revoked_marker_key(run.key, run.owner)
+        params["b_release"] = release
+        params["b_take"] = ttl is not None and not release
+        params.update(self._run_params(run, lease, RUNNING_POLICY))
+        outcome, answer = self._run(lambda d, r: d.claim_run(r, params), run.key)
+        if answer is None:
+            return outcome, None
+        claimed, row = answer
+        return outcome, Claim(claimed, None if row is None else self._lock(run.key, row))
+
+    def end_run(
+        self, run: RunRef, done_ttl: float, meta: LockMeta, *, release: bool | None
+    ) -> bool:
+        """The done marker, then release, settle or leave the lock (see ``RunRecords``).
+
+        One statement on PostgreSQL; elsewhere the marker's upsert, then the
+        ``DELETE`` or ``UPDATE`` of the lock (none when it is left).
+        """
+        params = self._params(run.key, run.owner, done_ttl, meta)
+        params.update(self._run_params(run, done_ttl, DONE_POLICY))
+        params["b_release"] = release is True
+        params["b_settle"] = release is False
+        params["b_ttl"] = None  # a settle keeps the lock's expiry
+        return self._run(lambda d, r: d.end_run(r, params), run.key)
+
+    def abandon_run(self, run: RunRef) -> bool:
+        """Delete the lease if ``run``'s copy holds it (one DELETE; a done marker stays)."""
+        params = {"b_key": run.record, "b_owner": run.token, "b_policy": RUNNING_POLICY}
+        return self._run(lambda d, r: r(d.abandon, params).rowcount > 0, run.key)
+
+    def renew_runs(self, runs: Sequence[RunRef], lease: float, *, batch: int = 5000) -> int:
+        """Renew every live lease its copy holds: one UPDATE per ``batch`` runs."""
+
+
+        def renew(pairs: list[tuple[str, str]], dialect: _Dialect, run: _Runner) -> int:
+            return dialect.renew_runs(run, pairs, lease)
+
+        renewed = 0
+        for start in range(0, len(runs), batch):
+            pairs = [(run.record, run.token) for run in runs[start : start + batch]]
+            renewed += self._run(partial(renew, pairs))
+        return renewed
 
     # -- CounterSupport ----------------------------------------------------
 

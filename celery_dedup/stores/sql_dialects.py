@@ -6,7 +6,10 @@ building the single statement (or the shortest transaction) an operation
 needs: PostgreSQL, SQLite, MySQL and MariaDB. Statements are written in
 SQLAlchemy Core and rendered once per store for its engine (``_Statement``);
 each call then only binds values. ``stores/sql.py`` holds the store that
-runs them (through a ``_Runner``) and retries lost races.
+runs them (through a ``_Runner``) and retries lost races. Run records
+(``RunRecords``) are rows of the lock table at ``RunRef.record``, owned by
+the copy's delivery token: a lease (``RUNNING_POLICY``) or a done marker
+(``DONE_POLICY``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from sqlalchemy import (
     or_,
     select,
     true,
+    tuple_,
     update,
 )
 from sqlalchemy.dialects import mysql, postgresql, sqlite
@@ -55,7 +59,7 @@ from sqlalchemy.sql.expression import ColumnElement, Executable, ReturnsRows, Se
 
 from ..exceptions import ImproperlyConfigured, StoreContention
 from . import E_MISSING_DRIVER
-from .base import ClaimOutcome, RevokeOutcome
+from .base import DONE_POLICY, RUNNING_POLICY, ClaimOutcome, RevokeOutcome, RunOutcome
 
 __all__ = [
     "COUNTER_TABLE",
@@ -363,6 +367,16 @@ class _Dialect:
                 _C.prefix == bindparam("b_prefix")
             )
         )
+        # Run records: rows of the lock table keyed by ``RunRef.record``, owned
+        # by the copy's delivery token (``b_key``/``b_owner`` here).
+        self.abandon = self.render(
+            delete(lock_table).where(self.mine, _L.policy == bindparam("b_policy"))
+        )
+        self.run_record = self.render(
+            select(_L.owner, _L.policy, _L.token, _L.expires_at, self.now.label("now")).where(
+                _L.key == bindparam("b_record")
+            )
+        )
 
     def render(self, statement: ReturnsRows) -> _Statement:
         """``statement`` rendered for the store's engine."""
@@ -381,6 +395,44 @@ class _Dialect:
             "acquired_at": self.now,
             "expires_at": self.now + bindparam("b_ttl", type_=Double()),
         }
+
+    def run_values(self) -> dict[str, Any]:
+        """The VALUES of a run record: ``b_record`` owned by the delivery token ``b_run``.
+
+        Its policy is ``b_run_policy`` (lease or done marker), it lives
+        ``b_lease`` seconds and is never started.
+        """
+        return {
+            "key": bindparam("b_record", type_=String()),
+            "owner": bindparam("b_run", type_=String()),
+            "task_id": bindparam("b_task_id", type_=String()),
+            "task_name": bindparam("b_task_name", type_=String()),
+            "policy": bindparam("b_run_policy", type_=String()),
+            "started": false(),
+            "token": bindparam("b_run_token", type_=String()),
+            "acquired_at": self.now,
+            "expires_at": self.now + bindparam("b_lease", type_=Double()),
+        }
+
+    def lease_taken(self) -> ColumnElement[bool]:
+        """Whether the existing run record may become this copy's lease: lapsed, or its own."""
+        return or_(_L.expires_at <= self.now, _L.owner == bindparam("b_run", type_=String()))
+
+    def renew_runs(self, run: _Runner, pairs: Sequence[tuple[str, str]], lease: float) -> int:
+        """One ``UPDATE`` renewing the live leases of ``(record, delivery token)`` pairs.
+
+        Built per call (Core: the list's length varies); how many it renewed.
+        """
+        statement = (
+            update(lock_table)
+            .where(
+                tuple_(_L.key, _L.owner).in_(list(pairs)),
+                _L.policy == RUNNING_POLICY,
+                self.live,
+            )
+            .values(expires_at=self.now + bindparam("b_renew", float(lease), type_=Double()))
+        )
+        return run.connection.execute(statement).rowcount
 
     def marker_values(self) -> dict[str, Any]:
         """The VALUES of a revoked marker living ``b_ttl`` seconds."""
@@ -403,6 +455,16 @@ class _Dialect:
 
     def revoke(self, run: _Runner, params: dict[str, Any]) -> RevokeOutcome:
         """Write the revoked marker and release an unstarted holder."""
+        raise NotImplementedError
+
+    def claim_run(
+        self, run: _Runner, params: dict[str, Any]
+    ) -> tuple[RunOutcome, tuple[ClaimOutcome, Any] | None]:
+        """Take the lease, then the start claim; ``claim``'s answer when begun."""
+        raise NotImplementedError
+
+    def end_run(self, run: _Runner, params: dict[str, Any]) -> bool:
+        """Write the done marker, then release (``b_release``) or settle (``b_settle``)."""
         raise NotImplementedError
 
     def add_counts(self, rows: list[dict[str, Any]]) -> Executable:
@@ -477,8 +539,78 @@ class _Postgres(_Dialect):
 
         self.claim_stmt = self.render(self._claim_statement(values, new))
         self.revoke_stmt = self.render(self._revoke_statement())
+        self.claim_run_stmt = self.render(self._claim_run_statement(values, new))
+        self.end_run_stmt = self.render(self._end_run_statement())
+        # renew_runs: two arrays, so the statement is rendered once and
+        # planned as a join, whatever the number of runs.
+        runs = func.unnest(
+            bindparam("b_records", type_=postgresql.ARRAY(String())),
+            bindparam("b_runs", type_=postgresql.ARRAY(String())),
+        ).table_valued("record", "run").render_derived(name="runs")
+        self.renew_stmt = self.render(
+            update(lock_table)
+            .where(
+                _L.key == runs.c.record,
+                _L.owner == runs.c.run,
+                _L.policy == RUNNING_POLICY,
+                self.live,
+            )
+            .values(expires_at=self.now + bindparam("b_lease", type_=Double()))
+        )
 
-    def _claim_statement(self, values: dict[str, Any], new: dict[str, Any]) -> Select[Any]:
+    def _run_upsert(self, where: ColumnElement[bool] | None) -> Insert:
+        """Insert the run record, or overwrite it (when ``where`` holds)."""
+        run_values = self.run_values()
+        ins = postgresql.insert(lock_table).values(**run_values)
+        return ins.on_conflict_do_update(
+            index_elements=[_L.key],
+            set_={name: ins.excluded[name] for name in run_values if name != "key"},
+            where=where,
+        )
+
+    def _claim_run_statement(self, values: dict[str, Any], new: dict[str, Any]) -> Select[Any]:
+        # The lease first: every write of the claim waits for its answer
+        # (they read it), so the record's row is always locked before the
+        # key's, as end_run does.
+        lease = self._run_upsert(self.lease_taken()).returning(_L.key).cte("lease")
+        begun = exists(select(lease.c.key))
+        # The record's holder in the snapshot, for RUNNING or DONE.
+        record = select(_L.owner, _L.policy, _L.expires_at).where(
+            _L.key == bindparam("b_record")
+        ).cte("record")
+        return self._claim_statement(values, new, begun).add_columns(
+            begun.label("begun"),
+            select(record.c.owner).scalar_subquery().label("run_owner"),
+            select(record.c.policy).scalar_subquery().label("run_policy"),
+            select(record.c.expires_at).scalar_subquery().label("run_expires_at"),
+        )
+
+    def _end_run_statement(self) -> Select[Any]:
+        done = self._run_upsert(None).returning(_L.key).cte("done")
+        written = exists(select(done.c.key))
+        gone = (
+            delete(lock_table)
+            .where(self.mine, _flag("b_release"), written)
+            .returning(_L.key)
+            .cte("gone")
+        )
+        settled = (
+            update(lock_table)
+            .where(self.mine, _flag("b_settle"), written)
+            .values(started=False)
+            .returning(_L.key)
+            .cte("settled")
+        )
+        return select(
+            or_(exists(select(gone.c.key)), exists(select(settled.c.key))).label("held")
+        ).add_cte(done)
+
+    def _claim_statement(
+        self,
+        values: dict[str, Any],
+        new: dict[str, Any],
+        gate: ColumnElement[bool] | None = None,
+    ) -> Select[Any]:
         # Every CTE reads one snapshot; the DELETE, UPDATE and INSERT see the
         # latest row (re-checked after waiting for a concurrent writer).
         # claim() re-runs the statement when the two disagree.
@@ -486,15 +618,17 @@ class _Postgres(_Dialect):
         revoked = exists(select(rev.c.key))
         current = select(*_LOCK_COLUMNS).where(self.at_key, self.live).cte("current")
         release = _flag("b_release")
+        # claim_run: no write unless the lease was taken.
+        gated = () if gate is None else (gate,)
         gone = (
             delete(lock_table)
-            .where(self.mine, or_(release, revoked))
+            .where(self.mine, *gated, or_(release, revoked))
             .returning(_L.key)
             .cte("gone")
         )
         marked = (
             update(lock_table)
-            .where(self.mine, ~release, ~revoked)
+            .where(self.mine, *gated, ~release, ~revoked)
             .values(started=True)
             .returning(_L.key)
             .cte("marked")
@@ -502,7 +636,7 @@ class _Postgres(_Dialect):
         fresh = postgresql.insert(lock_table).from_select(
             list(values),
             select(*values.values()).where(
-                _flag("b_take"), ~revoked, ~exists(select(current.c.owner))
+                *gated, _flag("b_take"), ~revoked, ~exists(select(current.c.owner))
             ),
         )
         taken = (
@@ -558,18 +692,45 @@ class _Postgres(_Dialect):
 
     def claim(self, run: _Runner, params: dict[str, Any]) -> tuple[ClaimOutcome, Any]:
         for _ in range(_RACE_RETRIES):
-            row = run(self.claim_stmt, params).one()
-            if row.revoked:
-                return ClaimOutcome.REVOKED, None
-            if row.owned:
-                return ClaimOutcome.OWNED, None
-            if row.owner is not None and row.owner != params["b_owner"]:
-                return ClaimOutcome.HELD, row
-            if row.owner is None and (row.taken or not params["b_take"]):
-                return ClaimOutcome.FREE, None
+            answer = _claim_answer(run(self.claim_stmt, params).one(), params)
+            if answer is not None:
+                return answer
             # Our row changed, or another writer inserted the key, after the
             # snapshot: run again.
         raise _contention(params["b_key"])
+
+    def claim_run(
+        self, run: _Runner, params: dict[str, Any]
+    ) -> tuple[RunOutcome, tuple[ClaimOutcome, Any] | None]:
+        for _ in range(_RACE_RETRIES):
+            row = run(self.claim_run_stmt, params).one()
+            if row.begun:
+                answer = _claim_answer(row, params)
+                if answer is not None:
+                    return RunOutcome.BEGUN, answer
+                # As for claim; the lease is ours now, so running the
+                # statement again takes it again (its own).
+                continue
+            if (
+                row.run_owner is not None
+                and row.run_owner != params["b_run"]
+                and row.run_expires_at > row.now
+            ):
+                done = row.run_policy == DONE_POLICY
+                return (RunOutcome.DONE if done else RunOutcome.RUNNING), None
+            # The record was written after the snapshot: run again.
+        raise _contention(params["b_key"])
+
+    def end_run(self, run: _Runner, params: dict[str, Any]) -> bool:
+        return bool(run(self.end_run_stmt, params).one().held)
+
+    def renew_runs(self, run: _Runner, pairs: Sequence[tuple[str, str]], lease: float) -> int:
+        params = {
+            "b_records": [record for record, _ in pairs],
+            "b_runs": [token for _, token in pairs],
+            "b_lease": float(lease),
+        }
+        return run(self.renew_stmt, params).rowcount
 
     def revoke(self, run: _Runner, params: dict[str, Any]) -> RevokeOutcome:
         for _ in range(_RACE_RETRIES):
@@ -633,10 +794,51 @@ class _Transactional(_Dialect):
             .values({name: value for name, value in values.items() if name != "key"})
         )
         self.mark_revoked = self.render(self.build_mark_revoked())
+        self.lease = self.render(self.build_run_upsert(self.lease_taken()))
+        self.done = self.render(self.build_run_upsert(None))
 
     def build_insert_or_keep(self, values: dict[str, Any]) -> Insert:
         """Insert the new row, or leave the existing one as it is (locked)."""
         raise NotImplementedError
+
+    def build_run_upsert(self, where: ColumnElement[bool] | None) -> Insert:
+        """Insert the run record, or overwrite it (when ``where`` holds, else always)."""
+        raise NotImplementedError
+
+    def take_lease(self, run: _Runner, params: dict[str, Any]) -> tuple[bool, Any]:
+        """Run the lease upsert: whether this copy holds the lease, else the record's row."""
+        run(self.lease, params)
+        row = run(self.run_record, params).first()
+        return row is not None and row.token == params["b_run_token"], row
+
+    def claim_run(
+        self, run: _Runner, params: dict[str, Any]
+    ) -> tuple[RunOutcome, tuple[ClaimOutcome, Any] | None]:
+        # Two steps, as StoreRuns: the lease commits on its own (a failed
+        # claim leaves it to abandon_run or to lapse, as there).
+        for _ in range(_RACE_RETRIES):
+            taken, holder = self.take_lease(run, params)
+            if taken:
+                return RunOutcome.BEGUN, self.claim(run, params)
+            if (
+                holder is not None
+                and holder.owner != params["b_run"]
+                and holder.expires_at > holder.now
+            ):
+                done = holder.policy == DONE_POLICY
+                return (RunOutcome.DONE if done else RunOutcome.RUNNING), None
+            # Released or lapsed between the upsert and the read: again.
+        raise _contention(params["b_key"])
+
+    def end_run(self, run: _Runner, params: dict[str, Any]) -> bool:
+        # The done marker commits first, as StoreRuns: a release that then
+        # fails is retried by the worker, and late copies are refused meanwhile.
+        run(self.done, params)
+        if params["b_release"]:
+            return run(self.release, params).rowcount > 0
+        if params["b_settle"]:
+            return run(self.settle, params).rowcount > 0
+        return False
 
     def build_mark_revoked(self) -> Insert:
         """Insert the revoked marker, or push its expiry out to now + ``b_ttl``."""
@@ -660,26 +862,30 @@ class _Transactional(_Dialect):
         if run(fast, params).rowcount:
             return ClaimOutcome.OWNED, None
         with _transaction(run, self.begin):
-            revoked = run(self.locked_marker, params).first() is not None
-            row = self.hold(run, params)
-            inserted = row.token == params["b_token"]
-            live = not inserted and row.expires_at > row.now
-            mine = live and row.owner == params["b_owner"]
-            if revoked:
-                if inserted or mine:
-                    run(self.drop, params)
-                return ClaimOutcome.REVOKED, None
-            if mine:
-                run(self.drop if params["b_release"] else self.start, params)
-                return ClaimOutcome.OWNED, None
-            if live:
-                return ClaimOutcome.HELD, row
-            # Free: keep the row we inserted only when asked to take the key.
-            if params["b_take"] and not inserted:
-                run(self.replace, params)
-            elif inserted and not params["b_take"]:
+            return self.claim_locked(run, params)
+
+    def claim_locked(self, run: _Runner, params: dict[str, Any]) -> tuple[ClaimOutcome, Any]:
+        """The start check past its one-statement try, inside a transaction."""
+        revoked = run(self.locked_marker, params).first() is not None
+        row = self.hold(run, params)
+        inserted = row.token == params["b_token"]
+        live = not inserted and row.expires_at > row.now
+        mine = live and row.owner == params["b_owner"]
+        if revoked:
+            if inserted or mine:
                 run(self.drop, params)
-            return ClaimOutcome.FREE, None
+            return ClaimOutcome.REVOKED, None
+        if mine:
+            run(self.drop if params["b_release"] else self.start, params)
+            return ClaimOutcome.OWNED, None
+        if live:
+            return ClaimOutcome.HELD, row
+        # Free: keep the row we inserted only when asked to take the key.
+        if params["b_take"] and not inserted:
+            run(self.replace, params)
+        elif inserted and not params["b_take"]:
+            run(self.drop, params)
+        return ClaimOutcome.FREE, None
 
     def revoke(self, run: _Runner, params: dict[str, Any]) -> RevokeOutcome:
         with _transaction(run, self.begin):
@@ -715,9 +921,51 @@ class _SQLite(_Transactional):
         self.holder = self.render(
             select(*_LOCK_COLUMNS, self.now.label("now")).where(self.at_key)
         )
+        self.lease_returning = self.render(
+            self.build_run_upsert(self.lease_taken()).returning(_L.key)
+        )
 
     def build_insert_or_keep(self, values: dict[str, Any]) -> Insert:
         return sqlite.insert(lock_table).values(**values).on_conflict_do_nothing()
+
+    def build_run_upsert(self, where: ColumnElement[bool] | None) -> Insert:
+        run_values = self.run_values()
+        ins = sqlite.insert(lock_table).values(**run_values)
+        return ins.on_conflict_do_update(
+            index_elements=[_L.key],
+            set_={name: ins.excluded[name] for name in run_values if name != "key"},
+            where=where,
+        )
+
+    def take_lease(self, run: _Runner, params: dict[str, Any]) -> tuple[bool, Any]:
+        # The upsert returns a row only when it wrote one: then it is ours.
+        if run(self.lease_returning, params).first() is not None:
+            return True, None
+        return False, run(self.run_record, params).first()
+
+    # In process, a statement costs no round trip but each commit a sync of
+    # the file: the lease and the claim, or the done marker and the
+    # release, commit together.
+
+    def claim_run(
+        self, run: _Runner, params: dict[str, Any]
+    ) -> tuple[RunOutcome, tuple[ClaimOutcome, Any] | None]:
+        with _transaction(run, self.begin):
+            taken, holder = self.take_lease(run, params)
+            if not taken:
+                # BEGIN IMMEDIATE: no other writer ran since the upsert.
+                done = holder is not None and holder.policy == DONE_POLICY
+                return (RunOutcome.DONE if done else RunOutcome.RUNNING), None
+            fast = self.release_mine if params["b_release"] else self.start_mine
+            if run(fast, params).rowcount:
+                return RunOutcome.BEGUN, (ClaimOutcome.OWNED, None)
+            return RunOutcome.BEGUN, self.claim_locked(run, params)
+
+    def end_run(self, run: _Runner, params: dict[str, Any]) -> bool:
+        if not (params["b_release"] or params["b_settle"]):
+            return super().end_run(run, params)
+        with _transaction(run, self.begin):
+            return super().end_run(run, params)
 
     def build_mark_revoked(self) -> Insert:
         ins = sqlite.insert(revoked_table).values(**self.marker_values())
@@ -773,6 +1021,18 @@ class _MySQL(_Transactional):
             [(name, func.if_(expired, ins.inserted[name], _L[name])) for name in self._ASSIGNED]
         )
 
+    def build_run_upsert(self, where: ColumnElement[bool] | None) -> Insert:
+        # The conditions read owner (assigned first) and expires_at (last):
+        # once one holds for the first column it holds for every later one.
+        ins = mysql.insert(lock_table).values(**self.run_values())
+        if where is None:
+            return ins.on_duplicate_key_update(
+                [(name, ins.inserted[name]) for name in self._ASSIGNED]
+            )
+        return ins.on_duplicate_key_update(
+            [(name, func.if_(where, ins.inserted[name], _L[name])) for name in self._ASSIGNED]
+        )
+
     def build_insert_or_keep(self, values: dict[str, Any]) -> Insert:
         # ON DUPLICATE KEY takes an exclusive record lock on the existing row
         # (never a gap lock), so it cannot deadlock with another insert.
@@ -809,6 +1069,15 @@ class _MariaDB(_MySQL):
         self.insert_or_keep_returning = self.render(
             self.build_insert_or_keep(self.row_values()).returning(*returned)
         )
+        self.lease_returning = self.render(
+            self.build_run_upsert(self.lease_taken()).returning(
+                _L.owner, _L.policy, _L.token, _L.expires_at, self.now.label("now")
+            )
+        )
+
+    def take_lease(self, run: _Runner, params: dict[str, Any]) -> tuple[bool, Any]:
+        row = run(self.lease_returning, params).one()
+        return row.token == params["b_run_token"], row
 
     def acquire(self, run: _Runner, params: dict[str, Any]) -> Any:
         row = run(self.upsert_returning, params).one()
@@ -824,6 +1093,19 @@ def _fetch_all(
     """Run one of ``dialect``'s statements and fetch every row."""
     rendered: _Statement = getattr(dialect, statement)
     return run(rendered, params).rows
+
+
+def _claim_answer(row: Any, params: Mapping[str, Any]) -> tuple[ClaimOutcome, Any] | None:
+    """PostgreSQL's claim answer from its statement's row; ``None`` when it must run again."""
+    if row.revoked:
+        return ClaimOutcome.REVOKED, None
+    if row.owned:
+        return ClaimOutcome.OWNED, None
+    if row.owner is not None and row.owner != params["b_owner"]:
+        return ClaimOutcome.HELD, row
+    if row.owner is None and (row.taken or not params["b_take"]):
+        return ClaimOutcome.FREE, None
+    return None
 
 
 def _like_prefix(prefix: str) -> str:
