@@ -25,6 +25,7 @@ from redis.exceptions import InvalidResponse
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ..exceptions import StoreUnavailable
+from . import is_result_backend
 from ..policy import UniqueUntil
 from .base import (
     Claim,
@@ -437,7 +438,7 @@ class RedisStore:
         keyprefix = ""
         backend: Any
         transport_options = app.conf.get("result_backend_transport_options") or {}
-        if url == app.conf.get("result_backend"):
+        if is_result_backend(app, url):
             backend = app.backend
             keyprefix = transport_options.get("global_keyprefix") or ""
         else:
