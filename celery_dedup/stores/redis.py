@@ -25,8 +25,8 @@ from redis.exceptions import InvalidResponse
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ..exceptions import StoreUnavailable
-from . import is_result_backend
 from ..policy import UniqueUntil
+from . import is_result_backend
 from .base import (
     Claim,
     ClaimOutcome,
