@@ -412,8 +412,21 @@ class DedupTask(_Task):
         options: dict[str, Any],
         publish: Callable[[str, LockHeader], Any],
     ) -> Any:
-        """Let the broker drop duplicates (SQS FIFO): no store, a key-derived task id."""
+        """Let the broker drop duplicates (SQS FIFO): no store, a key-derived task id.
+
+        A canvas call (a group or chord member, a chain step) keeps kombu's
+        random deduplication id: SQS drops a duplicate without telling
+        anyone, which would cut the canvas (a chord that never runs its
+        body, a chain that never starts) where the store mode publishes
+        it anyway or raises.
+        """
         assert call.unique_for is not None
+        if (
+            options.get("group_id")
+            or options.get("chord")
+            or options.get("chain") is not None
+        ):
+            return mark_result(publish(task_id or uuid(), NO_LOCK), key)
         native.warn_unhonoured(
             self.name,
             queue_name,
