@@ -117,7 +117,9 @@ def test_exchange_and_routing_key_route_keys_producer_and_guard_alike(
 
     app = app_factory("exrk", task_queues=[bound], task_routes=(router,))
 
-    @app.task(base=DedupTask, shared=False, name="exrk.hold", unique_for=30)
+    @app.task(
+        base=DedupTask, shared=False, name="exrk.hold", unique_for=30, unique_until="expiry"
+    )
     def hold(x: int) -> int:
         runs.record(x)
         return x
@@ -252,3 +254,28 @@ def test_socket_backend_keeps_global_keyprefix(socket_redis: str, app_factory: A
     key = str(results[0].deduplication_key)
     assert names == [f"one:{key}", f"two:{key}"]
 
+
+
+def test_guard_runs_a_copy_that_starts_after_the_holder_released(
+    app_factory: AppFactory, worker_for: Any, runs: Runs
+) -> None:
+    """docs/usage.md: a ``send_task`` copy that starts after the ``delay()`` run released its
+    lock (``unique_until="success"``) runs, even when it was published while the lock was held
+    (a one-slot worker starts it only after the first run ended); a copy starting while that
+    copy's guard lock lives is skipped."""
+    app = app_factory("guardafter")
+
+    @app.task(base=DedupTask, shared=False, name="guardafter.hold", unique_for=30)
+    def hold(x: int) -> int:
+        runs.record(x)
+        return x
+
+    first = hold.delay(3)
+    queued_copy = app.send_task("guardafter.hold", [3])
+    worker_for(app, concurrency=1)
+    assert first.get(timeout=10) == 3
+    assert queued_copy.get(timeout=10) == 3
+    # That copy's guard lock lives unique_for from its start: the next copy is throttled.
+    after = app.send_task("guardafter.hold", [3])
+    wait_until(lambda: after.state == states.IGNORED)
+    assert runs.all() == [3, 3]
