@@ -86,7 +86,7 @@ class Approx:
         return 0
 
     def __repr__(self) -> str:
-        return "<time>"
+        return f"<time {self.seconds:.1f}>"
 
 
 @dataclass
@@ -206,12 +206,13 @@ def describe_message(message: Published, prefix: str) -> dict[str, Any]:
         prefix,
     )
     described.update(times)
-    described["expiration"] = None if expiration is None else Approx(float(expiration))
+    # kombu sends the expiration in milliseconds
+    described["expiration"] = None if expiration is None else Approx(float(expiration) / 1000)
     return described
 
 
 def sort_key(described: Mapping[str, Any]) -> str:
-    return repr(sorted(described.items()))
+    return repr(sorted((k, v) for k, v in described.items() if not isinstance(v, Approx)))
 
 
 @dataclass
