@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import re
 import threading
 import time
@@ -336,7 +337,7 @@ def define_tasks(side: Side, base: type[Task[Any, Any]]) -> None:
             runs.record(["work", serializer, value, step, request.retries, _where(request),
                          (request.headers or {}).get("x-par")])
             if request.retries < retries:
-                raise self.retry(countdown=0.05, max_retries=retries)
+                raise self.retry(countdown=0.3, max_retries=retries)
             if replace:
                 raise self.replace(done.s(value, nonce, step))
             if fail:
@@ -434,8 +435,11 @@ def _nodes(result: Any) -> list[Any]:
     return found
 
 
-def settle(side: Side, result: Any, messages: Callable[[], int], timeout: float) -> None:
-    """Wait until every published message ran and the result tree is ready or ignored."""
+def settle(side: Side, result: Any, messages: Callable[[], int], timeout: float) -> bool:
+    """Wait until every published message ran and the result tree is ready or ignored.
+
+    Returns whether that happened before ``timeout``.
+    """
     deadline = time.monotonic() + timeout
     stable_since: float | None = None
     last: tuple[int, int] | None = None
@@ -447,11 +451,12 @@ def settle(side: Side, result: Any, messages: Callable[[], int], timeout: float)
         if counts[0] >= counts[1] and ready:
             if counts == last and stable_since is not None:
                 if time.monotonic() - stable_since > 0.3:
-                    return
+                    return True
             else:
                 stable_since = time.monotonic()
         last = counts
         time.sleep(0.05)
+    return False
 
 
 def outcome(result: Any, prefix: str) -> Any:
@@ -477,10 +482,14 @@ def run(side: Side, capture: Capture, scenario: Scenario, nonce: int,
         result = call(side, scenario, nonce)
     except Exception as exc:
         raised = normalise(exc, side.prefix)
-    settle(side, result, lambda: len(capture.messages), timeout)
+    started = time.monotonic()
+    settled = settle(side, result, lambda: len(capture.messages), timeout)
+    if os.environ.get("DEDUP_PARITY_TIMING"):
+        print(f"{side.label} {time.monotonic() - started:.2f}s {scenario}")
     messages = [describe_message(m, side.prefix) for m in capture.take()]
     return {
         "raised": raised,
+        "settled": settled,
         "messages": sorted(messages, key=sort_key),
         "runs": sorted((normalise(r, side.prefix) for r in side.runs.all()), key=repr),
         "outcome": None if result is None else outcome(result, side.prefix),
@@ -490,7 +499,7 @@ def run(side: Side, capture: Capture, scenario: Scenario, nonce: int,
 def describe_difference(plain: Mapping[str, Any], dedup: Mapping[str, Any]) -> str:
     """A readable account of where two runs differ."""
     lines = []
-    for part in ("raised", "runs", "outcome"):
+    for part in ("raised", "settled", "runs", "outcome"):
         if plain[part] != dedup[part]:
             lines.append(f"{part}:\n  plain: {plain[part]!r}\n  dedup: {dedup[part]!r}")
     if plain["messages"] != dedup["messages"]:
