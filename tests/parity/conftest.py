@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 from celery.contrib.testing.worker import start_worker
@@ -23,7 +24,8 @@ from .harness import Capture, Runs, Side, build_side
 #: Redis databases of this suite: executions, then broker and results per side
 RUNS_DB = 40
 DBS = {("redis", "plain"): (41, 42), ("redis", "dedup"): (43, 44),
-       ("amqp", "plain"): (None, 45), ("amqp", "dedup"): (None, 46)}
+       ("amqp", "plain"): (None, 45), ("amqp", "dedup"): (None, 46),
+       ("eager", "plain"): (47, 48), ("eager", "dedup"): (49, 50)}
 
 
 @dataclass
@@ -34,11 +36,16 @@ class Pair:
     dedup: Side
     capture: Capture
 
+    eager: bool = False
+
     @contextmanager
     def working(self, side: Side) -> Iterator[Side]:
         """``side``'s worker is up (and no other) for the block; the capture is active."""
         with ExitStack() as stack:
             stack.enter_context(self.capture.active())
+            if self.eager:
+                yield side
+                return
             side.worker = stack.enter_context(start_worker(
                 side.app, pool="threads", concurrency=2, queues=side.queues,
                 perform_ping_check=False, shutdown_timeout=30, loglevel="WARNING",
@@ -48,7 +55,8 @@ class Pair:
         side.worker = None
 
 
-def _pair(redis_server: RedisServer, broker: str, broker_url: str | None) -> Iterator[Pair]:
+def _pair(redis_server: RedisServer, broker: str, broker_url: str | None,
+          **conf: Any) -> Iterator[Pair]:
     dbs = [db for pair in DBS.values() for db in pair if db is not None]
     redis_server.flush(RUNS_DB, *dbs)
     runs_client = redis_server.client(RUNS_DB)
@@ -57,8 +65,8 @@ def _pair(redis_server: RedisServer, broker: str, broker_url: str | None) -> Ite
         broker_db, result_db = DBS[broker, label]
         url = broker_url or redis_server.url(int(broker_db or 0))
         sides.append(build_side(label, url, redis_server.url(result_db),
-                                Runs(runs_client, f"runs:{broker}:{label}")))
-    yield Pair(sides[0], sides[1], Capture())
+                                Runs(runs_client, f"runs:{broker}:{label}"), **conf))
+    yield Pair(sides[0], sides[1], Capture(), eager=bool(conf.get("task_always_eager")))
     for side in sides:
         runtime_for(side.app).metrics.flush()
         side.app.close()
@@ -75,3 +83,10 @@ def redis_pair(redis_server: RedisServer) -> Iterator[Pair]:
 def amqp_pair(redis_server: RedisServer, rabbitmq_server: RabbitMQServer) -> Iterator[Pair]:
     """Both sides on the test RabbitMQ broker (results on Redis)."""
     yield from _pair(redis_server, "amqp", rabbitmq_server.url)
+
+
+@pytest.fixture(scope="module")
+def eager_pair(redis_server: RedisServer) -> Iterator[Pair]:
+    """Both sides with ``task_always_eager`` (no worker; results kept as a worker would)."""
+    yield from _pair(redis_server, "eager", None, task_always_eager=True,
+                     task_store_eager_result=True)

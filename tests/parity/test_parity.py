@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from .conftest import Pair
 from .harness import Scenario, crc, describe_difference, run
-from .scenarios import FULL, covering, scenarios
+from .scenarios import EAGER_CALLS, FULL, covering, scenarios
 
 BATCH = 40 if FULL else 6
 _nonces = itertools.count(1)
@@ -81,3 +81,15 @@ def test_generated_on_redis(redis_pair: Pair, batch: list[Scenario]) -> None:
 def test_generated_on_rabbitmq(amqp_pair: Pair, batch: list[Scenario]) -> None:
     """Generated scenarios on RabbitMQ."""
     compare(amqp_pair, batch, "amqp-gen")
+
+
+def test_covering_list_eager(eager_pair: Pair) -> None:
+    """Every eager call form (``send_task`` is never eager) with the same options, eagerly."""
+    compare(eager_pair, covering(EAGER_CALLS), "eager-cover")
+
+
+@_settings(full_examples=10)
+@given(batch=st.lists(scenarios(EAGER_CALLS), min_size=BATCH, max_size=BATCH))
+def test_generated_eager(eager_pair: Pair, batch: list[Scenario]) -> None:
+    """Generated scenarios, eagerly."""
+    compare(eager_pair, batch, "eager-gen")
