@@ -385,15 +385,17 @@ class DedupTask(_Task):
         if given.get("unique_for", ...) is None:
             return mark_result(publish(task_id or uuid(), NO_LOCK), None)
         call = config.resolve(given)
-        queue_name, router = self._route(options, args, kwargs, config)
+        # Routers and keys see the arguments as Celery sends them (pydantic models dumped).
+        sent_args, sent_kwargs = self._as_sent(args, kwargs, options)
+        queue_name, router = self._route(options, sent_args, sent_kwargs, config)
         if router is not None:
             # send_task would run the routers again (a router may not be pure).
             options["router"] = router
         serializer = options.get("serializer")
         if type(self).dedup_key is DedupTask.dedup_key:
-            key = self._key(config, args, kwargs, call, queue_name, serializer)
+            key = self._key(config, sent_args, sent_kwargs, call, queue_name, serializer)
         else:  # a subclass's own key (the compat shims)
-            key = self.dedup_key(args, kwargs, call, queue_name, serializer)
+            key = self.dedup_key(sent_args, sent_kwargs, call, queue_name, serializer)
         if key is None:
             return mark_result(publish(task_id or uuid(), NO_LOCK), None)
         settings = config.runtime.settings
@@ -402,6 +404,19 @@ class DedupTask(_Task):
         if task_id is None:
             task_id = deterministic_task_id(key) if call.deterministic_id else uuid()
         return self._publish_with_lock(config, call, key, task_id, args, kwargs, options, publish)
+
+    def _as_sent(
+        self,
+        args: Sequence[Any] | None,
+        kwargs: Mapping[str, Any] | None,
+        options: Mapping[str, Any],
+    ) -> tuple[Sequence[Any] | None, Mapping[str, Any] | None]:
+        """The arguments ``Task.apply_async`` publishes: ``pydantic=True`` tasks dump models."""
+        dump = cast(Any, self)._dump_pydantic_arguments
+        if dump is None or (options.get("serializer") or self.serializer) == "pickle":
+            return args, kwargs
+        dumped: tuple[Sequence[Any] | None, Mapping[str, Any] | None] = dump(args, kwargs)
+        return dumped
 
     def _publish_native(
         self,

@@ -15,6 +15,7 @@ import pytest
 import redis
 from celery import chain, states
 from kombu import Exchange, Queue
+from pydantic import BaseModel
 
 from celery_dedup import DedupTask, dedup_key_for, inspect_lock
 from tests.fixtures._servers import running
@@ -22,6 +23,14 @@ from tests.fixtures.redis import RedisServer, start_redis
 
 from .conftest import AppFactory, wait_until
 from .test_paths_identity import Runs
+
+
+class Order(BaseModel):
+    """A pydantic argument (module level: the task's annotations must resolve)."""
+
+    order_id: int
+    note: str
+
 
 #: every option the routed-call crash hit, with a value that lets the task run now
 ROUTED_OPTIONS: dict[str, Any] = {
@@ -279,3 +288,29 @@ def test_guard_runs_a_copy_that_starts_after_the_holder_released(
     after = app.send_task("guardafter.hold", [3])
     wait_until(lambda: after.state == states.IGNORED)
     assert runs.all() == [3, 3]
+
+
+def test_pydantic_task_is_keyed_on_the_dumped_model(
+    app_factory: AppFactory, worker_for: Any, runs: Runs
+) -> None:
+    """``pydantic=True``: the key is computed on what Celery sends (the dumped model), so a
+    model argument publishes (no DedupKeyError), an equal model is a duplicate, and a
+    header-less copy of it (``send_task`` of the dumped dict) is guarded under the same key."""
+    app = app_factory("pyd")
+
+    @app.task(
+        base=DedupTask, shared=False, name="pyd.ship", unique_for=30, unique_until="expiry",
+        pydantic=True,
+    )
+    def ship(order: Order) -> int:
+        runs.record(order.order_id)
+        return order.order_id
+
+    first = ship.delay(Order(order_id=4, note="x"))
+    again = ship.delay(Order(order_id=4, note="x"))
+    assert first.deduplicated is False and again.deduplicated is True
+    copy = app.send_task("pyd.ship", [{"order_id": 4, "note": "x"}])
+    worker_for(app)
+    assert first.get(timeout=10) == 4
+    wait_until(lambda: copy.state == states.IGNORED)
+    assert runs.all() == [4]
