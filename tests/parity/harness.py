@@ -179,15 +179,28 @@ def _offset(raw: Any, at: float) -> Any:
     return Approx(moment.timestamp() - at)
 
 
+def _decode(body: bytes, compression: str | None, message: Published) -> Any:
+    """The body as the worker would load it; a body that does not load is kept raw.
+
+    (A retried message keeps its first publish's ``compression`` header while
+    its body may not be compressed again: both sides then carry the same bytes.)
+    """
+    for compressed in (compression, None) if compression else (None,):
+        try:
+            raw = decompress(body, compressed) if compressed else body
+            return loads(raw, message.content_type, message.content_encoding,
+                         accept=[message.content_type])
+        except Exception:
+            continue
+    return ["<undecodable>", body]
+
+
 def describe_message(message: Published, prefix: str) -> dict[str, Any]:
     """A message with everything that varies between two runs normalised."""
     body = message.body
     headers = dict(message.headers)
     headers.pop("celery_dedup", None)
-    if headers.get("compression"):
-        body = decompress(body, headers["compression"])
-    decoded = loads(body, message.content_type, message.content_encoding,
-                    accept=[message.content_type])
+    decoded = _decode(body, headers.get("compression"), message)
     times = {name: _offset(headers.pop(name, None), message.at) for name in _TIMES}
     properties = dict(message.properties)
     expiration = properties.pop("expiration", None)
