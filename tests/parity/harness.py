@@ -484,7 +484,7 @@ def outcome(result: Any, prefix: str) -> Any:
 
 
 def run(side: Side, capture: Capture, scenario: Scenario, nonce: int,
-        timeout: float = 20) -> dict[str, Any]:
+        timeout: float = 10) -> dict[str, Any]:
     """Run ``scenario`` on ``side``; return its messages, executions and outcome, normalised."""
     side.runs.clear()
     side.set_routes(scenario.routes)

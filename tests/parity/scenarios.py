@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -46,11 +47,23 @@ def options(draw: Any, max_size: int = 5) -> tuple[tuple[str, Any], ...]:
     return tuple((name, draw(OPTIONS[name])) for name in sorted(names))
 
 
+def celery_limitation(scenario: Scenario) -> bool:
+    """A scenario plain Celery itself cannot run, identically on both sides.
+
+    kombu's msgpack writes a chain holding a chord (``nested``) as a body the
+    worker cannot decode ("unpack(b) received extra data"): the message is
+    dropped by the worker with or without celery-dedup.
+    """
+    options = dict(scenario.options)
+    serializer = options.get("serializer") or scenario.serializer
+    return scenario.call == "nested" and serializer == "msgpack"
+
+
 @st.composite
 def scenarios(draw: Any, calls: tuple[str, ...] = CALLS) -> Scenario:
     """One call: its form, routes, serializer, options and what its first task does."""
     fail = draw(st.booleans())
-    return Scenario(
+    found = Scenario(
         routes=draw(st.sampled_from(ROUTES)),
         serializer=draw(st.sampled_from(SERIALIZERS)),
         call=draw(st.sampled_from(calls)),
@@ -60,6 +73,10 @@ def scenarios(draw: Any, calls: tuple[str, ...] = CALLS) -> Scenario:
         fail=fail,
         members=draw(st.integers(1, 3)),
     )
+    if celery_limitation(found):
+        kept = tuple((name, value) for name, value in found.options if name != "serializer")
+        found = dataclasses.replace(found, serializer="json", options=kept)
+    return found
 
 
 def covering(calls: tuple[str, ...] = CALLS) -> list[Scenario]:

@@ -16,6 +16,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -36,6 +37,10 @@ def _settings(full_examples: int) -> Any:
         phases=(Phase.generate,),
         suppress_health_check=list(HealthCheck),
     )
+
+
+#: the full run takes as long as it needs; CI's share stays bounded
+pytestmark = pytest.mark.timeout(4 * 3600 if FULL else 300)
 
 
 def compare(pair: Pair, batch: Sequence[Scenario], label: str) -> None:
