@@ -24,6 +24,7 @@ __all__ = [
     "ArgumentBinder",
     "Identity",
     "as_delivered",
+    "bound_queue",
     "canonical_json",
     "deterministic_task_id",
     "digest",
@@ -179,7 +180,9 @@ def as_delivered(
     from kombu.serialization import dumps, loads
 
     content_type, encoding, data = dumps([list(args or ()), dict(kwargs or {})], serializer)
-    delivered_args, delivered_kwargs = loads(data, content_type, encoding)
+    # Only the round trip is asked here: whether workers accept the content
+    # type is theirs to say (Celery's eager path loads it the same way).
+    delivered_args, delivered_kwargs = loads(data, content_type, encoding, accept=[content_type])
     return delivered_args, delivered_kwargs
 
 
@@ -222,6 +225,19 @@ def _json_stable(value: Any, depth: int = 0) -> bool:
 def lock_key(prefix: str, task_name: str, material: str) -> str:
     """The store key for ``material`` (a canonical identity or a caller key)."""
     return f"{prefix}:{task_name}:{digest(material)}"
+
+
+def bound_queue(queues: Iterable[Any], exchange: str, routing_key: str | None) -> str | None:
+    """The name of the first of ``queues`` bound to ``exchange`` by ``routing_key``, if any.
+
+    How both the producer and the worker name the queue of a message
+    published to an exchange and a routing key (a route naming no queue):
+    the key's queue part is the same on both sides by construction.
+    """
+    for queue in queues:
+        if queue.routing_key == routing_key and (queue.exchange.name or "") == exchange:
+            return str(queue.name)
+    return None
 
 
 def deterministic_task_id(key: str) -> str:

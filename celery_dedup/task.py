@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Final, cast
 
-from celery import Task
+from celery import Celery, Task
+from celery.app.routes import Router
 from celery.exceptions import Ignore, Reject, Retry
 from celery.utils import uuid
 
@@ -27,6 +29,7 @@ from .identity import (
     ArgumentBinder,
     Identity,
     as_delivered,
+    bound_queue,
     caller_key_material,
     deterministic_task_id,
     lock_key,
@@ -315,19 +318,33 @@ class DedupTask(_Task):
         args: Sequence[Any] | None,
         kwargs: Mapping[str, Any] | None,
         config: TaskConfig | None = None,
-    ) -> tuple[str, dict[str, Any] | None]:
-        """The routed queue's name, and the routed options when the routers ran."""
+    ) -> tuple[str, _Routed | None]:
+        """The routed queue's name, and the router answering this call when the routers ran.
+
+        The routers are asked once, with the options ``send_task`` would
+        hand them; ``send_task`` then gets a router that answers with that
+        route and merges the call's options over it as Celery's router does.
+        """
         queue = options.get("queue")
         if queue is not None:
             return str(getattr(queue, "name", queue)), None
         config = config or self.dedup_config()
         if not config.routed:
             return config.default_queue, None
-        router: Any = self.app.amqp.router
-        routed = router.route(dict(options), self.name, tuple(args or ()), dict(kwargs or {}), self)
-        target = routed.get("queue")
-        name = getattr(target, "name", None) or routed.get("routing_key")
-        return str(name or config.default_queue), routed
+        app_router: Any = self.app.amqp.router
+        asked = _router_options(self, options)
+        route = app_router.lookup_route(
+            self.name,
+            tuple(args or ()),
+            dict(kwargs or {}),
+            app_router.expand_destination(dict(asked)),
+            self,
+        )
+        router = _Routed(app_router, route)
+        routed: Mapping[str, Any] = cast(Any, router).route(
+            asked, self.name, tuple(args or ()), dict(kwargs or {}), self
+        )
+        return destination_name(self.app, routed) or config.default_queue, router
 
     # -- enqueue -----------------------------------------------------------
 
@@ -370,15 +387,17 @@ class DedupTask(_Task):
         if given.get("unique_for", ...) is None:
             return mark_result(publish(task_id or uuid(), NO_LOCK), None)
         call = config.resolve(given)
-        queue_name, routed = self._route(options, args, kwargs, config)
-        if routed is not None:
+        # Routers and keys see the arguments as Celery sends them (pydantic models dumped).
+        sent_args, sent_kwargs = self._as_sent(args, kwargs, options)
+        queue_name, router = self._route(options, sent_args, sent_kwargs, config)
+        if router is not None:
             # send_task would run the routers again (a router may not be pure).
-            options["router"] = _Routed(routed)
+            options["router"] = router
         serializer = options.get("serializer")
         if type(self).dedup_key is DedupTask.dedup_key:
-            key = self._key(config, args, kwargs, call, queue_name, serializer)
+            key = self._key(config, sent_args, sent_kwargs, call, queue_name, serializer)
         else:  # a subclass's own key (the compat shims)
-            key = self.dedup_key(args, kwargs, call, queue_name, serializer)
+            key = self.dedup_key(sent_args, sent_kwargs, call, queue_name, serializer)
         if key is None:
             return mark_result(publish(task_id or uuid(), NO_LOCK), None)
         settings = config.runtime.settings
@@ -387,6 +406,19 @@ class DedupTask(_Task):
         if task_id is None:
             task_id = deterministic_task_id(key) if call.deterministic_id else uuid()
         return self._publish_with_lock(config, call, key, task_id, args, kwargs, options, publish)
+
+    def _as_sent(
+        self,
+        args: Sequence[Any] | None,
+        kwargs: Mapping[str, Any] | None,
+        options: Mapping[str, Any],
+    ) -> tuple[Sequence[Any] | None, Mapping[str, Any] | None]:
+        """The arguments ``Task.apply_async`` publishes: ``pydantic=True`` tasks dump models."""
+        dump = cast(Any, self)._dump_pydantic_arguments
+        if dump is None or (options.get("serializer") or self.serializer) == "pickle":
+            return args, kwargs
+        dumped: tuple[Sequence[Any] | None, Mapping[str, Any] | None] = dump(args, kwargs)
+        return dumped
 
     def _publish_native(
         self,
@@ -397,8 +429,21 @@ class DedupTask(_Task):
         options: dict[str, Any],
         publish: Callable[[str, LockHeader], Any],
     ) -> Any:
-        """Let the broker drop duplicates (SQS FIFO): no store, a key-derived task id."""
+        """Let the broker drop duplicates (SQS FIFO): no store, a key-derived task id.
+
+        A canvas call (a group or chord member, a chain step) keeps kombu's
+        random deduplication id: SQS drops a duplicate without telling
+        anyone, which would cut the canvas (a chord that never runs its
+        body, a chain that never starts) where the store mode publishes
+        it anyway or raises.
+        """
         assert call.unique_for is not None
+        if (
+            options.get("group_id")
+            or options.get("chord")
+            or options.get("chain") is not None
+        ):
+            return mark_result(publish(task_id or uuid(), NO_LOCK), key)
         native.warn_unhonoured(
             self.name,
             queue_name,
@@ -521,7 +566,7 @@ class DedupTask(_Task):
 
         A call that cannot be suppressed without losing work is published
         without a lock: a chord member or body (a chord counts on it), a
-        worker-side step that carries the rest of its chain, a group member
+        worker-side chain step (the chain's result waits for its frozen id), a group member
         (Celery froze its id) unless its group was given a key another call
         holds. A duplicate canvas published outside a worker (a chain's first
         step, the first member of a keyed group) raises ``DuplicateTaskError``
@@ -620,7 +665,12 @@ class DedupTask(_Task):
             worker.eager_body_started(owner)
 
     def _carries_chain_worker_side(self, options: Mapping[str, Any]) -> bool:
-        return bool(options.get("chain")) and self.app.current_worker_task is not None
+        """A chain step the worker publishes, the last one included (``chain=[]``).
+
+        Celery froze its id and the chain's result waits for it: a suppressed
+        step would leave that result ``PENDING`` forever.
+        """
+        return options.get("chain") is not None and self.app.current_worker_task is not None
 
     def delay(self, *args: Any, **kwargs: Any) -> Any:
         """Star-argument shortcut for ``apply_async``; may return a ``DeduplicatedResult``."""
@@ -806,15 +856,54 @@ def _choice(enum: Any, value: Any, default: Any) -> Any:
     return default if value is None else validate_choice(enum, value, "")
 
 
-class _Routed:
-    """A router that answers with a call's already resolved route."""
+class _Routed(Router):
+    """The app's router, answering with a route already looked up for this call.
 
-    def __init__(self, routed: Mapping[str, Any]) -> None:
-        self.routed = routed
+    Everything else is Celery's ``Router.route``: the options ``send_task``
+    hands it are merged over the route exactly as without celery-dedup.
+    """
 
-    def route(self, options: Mapping[str, Any], *_: Any, **__: Any) -> dict[str, Any]:
-        # As Router.route merges a route: the call's own options win, unless None.
-        return {**self.routed, **{k: v for k, v in options.items() if v is not None}}
+    def __init__(self, router: Any, route: Any) -> None:
+        super().__init__([route], router.queues, router.create_missing, router.app)
+        self.found = route
+
+    def lookup_route(self, *_: Any, **__: Any) -> Any:
+        # Router.expand_destination pops "queue" from the route: hand out a copy.
+        return dict(self.found) if isinstance(self.found, Mapping) else self.found
+
+
+#: ``send_task``'s own parameters: never in the options its routers see.
+_SEND_TASK_PARAMETERS: Final = frozenset(inspect.signature(Celery.send_task).parameters) - {
+    "options"
+}
+
+
+def _router_options(task: DedupTask, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The options ``Task.apply_async`` → ``send_task`` hands the routers for this call."""
+    merged = dict(cast(Any, task)._get_exec_options(), **options)
+    return {
+        name: value
+        for name, value in merged.items()
+        if name not in _SEND_TASK_PARAMETERS and name != "ignore_result"
+    }
+
+
+def destination_name(app: Any, routed: Mapping[str, Any]) -> str | None:
+    """The queue name a routed call's key uses, as the worker finds it from delivery info.
+
+    A route naming a queue gives its name; a route with only an exchange
+    and a routing key gives the app queue bound to that pair (as the
+    worker looks it up), else the routing key.
+    """
+    target = routed.get("queue")
+    exchange, routing_key = routed.get("exchange"), routed.get("routing_key")
+    exchange = getattr(exchange, "name", exchange)
+    if target is None and exchange and routing_key:
+        bound = bound_queue(app.amqp.queues.values(), str(exchange), str(routing_key))
+        if bound is not None:
+            return bound
+    name = getattr(target, "name", target) or routing_key
+    return str(name) if name else None
 
 
 def _takes_over_lock(task: DedupTask, sig: Any) -> bool:

@@ -31,7 +31,7 @@ from kombu.serialization import registry  # type: ignore[attr-defined]
 from . import leases, runs
 from .exceptions import StoreContention, StoreError, StoreUnavailable
 from .header import HEADER, LockHeader, new_token, read_header
-from .identity import deterministic_task_id
+from .identity import bound_queue, deterministic_task_id
 from .lifecycle import DedupTaskLike, Held, Outcome, meta_for
 from .options import Fallback
 from .policy import UniqueUntil, lock_ttl
@@ -206,7 +206,9 @@ def guard_header(
     try:
         key = task.dedup_key(args, kwargs, call, queue, serializer)
         token = guard_token(task, task_id)
-    except (TypeError, ValueError, StoreError) as exc:
+    except Exception as exc:
+        # Never drop a message for the guard's sake (an argument a key cannot
+        # hold, a serializer's error, the store): it runs as a plain task would.
         logger.warning("celery-dedup: %s[%s] runs unguarded: %s", task.name, task_id, exc)
         return None
     if key is None:
@@ -236,9 +238,9 @@ def delivered_queue(
     """
     exchange = delivery_info.get("exchange") or ""
     routing_key = delivery_info.get("routing_key")
-    for queue in task.app.amqp.queues.values():
-        if queue.routing_key == routing_key and (queue.exchange.name or "") == exchange:
-            return str(queue.name)
+    bound = bound_queue(task.app.amqp.queues.values(), exchange, routing_key)
+    if bound is not None:
+        return bound
     if not exchange and routing_key:
         return str(routing_key)
     return task.routed_queue({}, args, kwargs)

@@ -32,6 +32,7 @@ __all__ = [
     "LockStore",
     "StoreFactory",
     "derive_store_url",
+    "is_result_backend",
     "store_from_url",
 ]
 
@@ -124,6 +125,18 @@ def store_from_url(
     """
     alias, inner = split_url(url)
     return _factory_for(alias, url).from_url(inner, app=app, options=options)
+
+
+def is_result_backend(app: Celery, url: str) -> bool:
+    """Whether ``url`` (as handed to a store's ``from_url``) is ``app``'s result backend.
+
+    A store is given the inner URL of an ``x+y://`` scheme (``socket://``
+    for ``redis+socket://``), as Celery gives its backend: both forms match.
+    """
+    backend = app.conf.get("result_backend")
+    if not isinstance(backend, str) or not backend:
+        return False
+    return url in (backend, split_url(backend)[1])
 
 
 def derive_store_url(app: Celery) -> str | None:

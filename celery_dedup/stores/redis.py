@@ -41,6 +41,7 @@ from ..exceptions import (
     StoreUnavailable,
 )
 from ..policy import UniqueUntil
+from . import is_result_backend
 from .base import (
     Claim,
     ClaimOutcome,
@@ -578,7 +579,7 @@ class RedisStore:
         keyprefix = ""
         backend: Any
         transport_options = app.conf.get("result_backend_transport_options") or {}
-        if url == app.conf.get("result_backend"):
+        if is_result_backend(app, url):
             backend = app.backend
             keyprefix = transport_options.get("global_keyprefix") or ""
         else:
