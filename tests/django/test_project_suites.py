@@ -11,6 +11,7 @@ process and must pass, exit 0, and leave its test database dropped.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -90,7 +91,8 @@ def test_manage_py_test_on_mariadb(mysql_server: Any) -> None:
 @pytest.mark.parametrize("vendor", ["postgresql", "mysql"])
 def test_pytest_django_suite(request: pytest.FixtureRequest, vendor: str) -> None:
     """pytest-django's ``db`` and ``transactional_db`` tests pass; the test database is dropped."""
-    server = request.getfixturevalue("postgres_server" if vendor == "postgresql" else "mysql_server")
+    fixture = "postgres_server" if vendor == "postgresql" else "mysql_server"
+    server = request.getfixturevalue(fixture)
     name = f"sample_pytest_{vendor}"
     result = _run(
         ["-m", "pytest", "-c", "pytest.ini", "-q", "sample/test_pytest.py"],
@@ -101,3 +103,26 @@ def test_pytest_django_suite(request: pytest.FixtureRequest, vendor: str) -> Non
     assert "6 passed" in output, output
     databases = _pg_databases(server) if vendor == "postgresql" else _maria_databases(server)
     assert f"test_{name}" not in databases
+
+
+def test_pooled_postgres_under_threads_and_a_worker(postgres_server: Any) -> None:
+    """Pool of 4: 16 request threads and a worker; every call answers, nothing is kept.
+
+    Each key runs exactly once; the database never sees more than the project's
+    pool plus the store's own (4 + 4) plus the worker's, and every pooled
+    connection is back in the pool at the end.
+    """
+    name = "sample_pooled_load"
+    with postgres_server.connect() as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {name}")
+        conn.execute(f"CREATE DATABASE {name}")
+    env = _environment("postgresql", postgres_server.port, name, pool=True)
+    migrate = _run(["manage.py", "migrate", "-v", "0"], env)
+    assert migrate.returncode == 0, migrate.stderr
+    result = _run(["pooled_load.py"], env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["errors"] == []
+    assert report["executed"] == {f"key-{i}": 1 for i in range(8)}
+    assert 0 < report["peak"] <= 8
+    assert report["pool_available"] == report["pool_size"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 from celery_dedup import DedupTask
 
 from .celery import app, reports
@@ -17,3 +19,19 @@ def sync_address(user_id: int) -> int:
 def build_report(customer: int) -> int:
     """Build a customer's report."""
     return customer
+
+
+#: executions per key of ``record`` in this process (the pooled-load script reads it)
+EXECUTED: dict[str, int] = {}
+_EXECUTED_LOCK = threading.Lock()
+
+
+@app.task(base=DedupTask, name="sample.record", unique_until="expiry")
+def record(key: str) -> None:
+    """Count one execution of ``key``, after a query of the project's own."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT 1")
+    with _EXECUTED_LOCK:
+        EXECUTED[key] = EXECUTED.get(key, 0) + 1
