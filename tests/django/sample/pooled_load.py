@@ -22,14 +22,13 @@ import psycopg  # noqa: E402
 from celery.contrib.testing.worker import start_worker  # noqa: E402
 from django.core.signals import request_finished, request_started  # noqa: E402
 from django.db import connection, transaction  # noqa: E402
-
 from sample.celery import app  # noqa: E402
 from sample.tasks import record  # noqa: E402
 
 NAME = connection.settings_dict["NAME"]
 PORT = int(connection.settings_dict["PORT"])
 THREADS, REQUESTS, KEYS = 16, 160, 8
-peak = 0
+peak = [0]
 stop = threading.Event()
 
 
@@ -42,12 +41,11 @@ def _connections(observer: psycopg.Connection) -> int:
 
 
 def _watch() -> None:
-    global peak
     with psycopg.connect(
         host="127.0.0.1", port=PORT, user="postgres", dbname=NAME, autocommit=True
     ) as observer:
         while not stop.is_set():
-            peak = max(peak, _connections(observer))
+            peak[0] = max(peak[0], _connections(observer))
             time.sleep(0.005)
 
 
@@ -92,7 +90,7 @@ def main() -> None:
     json.dump({
         "errors": sorted({o for o in outcomes if o != "ok"}),
         "executed": dict(sorted(EXECUTED.items())),
-        "peak": peak,
+        "peak": peak[0],
         "after": after,
         "pool_size": stats.get("pool_size"),
         "pool_available": stats.get("pool_available"),
