@@ -53,7 +53,7 @@ def test_admin_page_says_why(unlistable: Any) -> None:
 
 def test_manage_py_reap_says_why(unlistable: Any) -> None:
     """``manage.py dedup_locks reap``: a ``CommandError`` naming the reason."""
-    with pytest.raises(CommandError, match="cannot reap: .*cannot list its locks"):
+    with pytest.raises(CommandError, match=r"cannot reap: .*cannot list its locks"):
         call_command("dedup_locks", "reap")
 
 
