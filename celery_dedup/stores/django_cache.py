@@ -131,7 +131,7 @@ class DjangoCacheStore:
         """
         from redis import Redis
 
-        from .redis import RedisStore
+        from .redis import DEFAULT_TIMEOUTS, RedisStore
 
         client_ = cache_._cache
         server = client_._servers[0]
@@ -144,8 +144,10 @@ class DjangoCacheStore:
                 built = self._redis
                 if built is None or built[0] != fingerprint:
                     pool = client_._pool_class.from_url(server, **options)
+                    timeouts = {k: options[k] for k in DEFAULT_TIMEOUTS if k in options}
                     store = RedisStore(
-                        Redis(connection_pool=pool), keyprefix=keyprefix, label=self.label
+                        Redis(connection_pool=pool), keyprefix=keyprefix, label=self.label,
+                        timeouts=timeouts,
                     )
                     built = self._redis = (fingerprint, store)
         return built[1]
