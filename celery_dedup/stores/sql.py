@@ -115,8 +115,9 @@ logger = logging.getLogger("celery_dedup")
 CONNECT_TIMEOUT = 10
 #: MySQL/MariaDB drivers' connect and socket read/write timeouts (seconds),
 #: unless the URL or ``connect_args`` set them: a hung server fails a call in
-#: seconds. The read timeout stays above the contention budget's row waits.
-MYSQL_TIMEOUTS: Mapping[str, int] = {"connect_timeout": 10, "read_timeout": 30, "write_timeout": 30}
+#: seconds. The store's statements and transactions are short; a row lock held
+#: elsewhere for longer than the read timeout fails the call (fallback).
+MYSQL_TIMEOUTS: Mapping[str, int] = {"connect_timeout": 5, "read_timeout": 10, "write_timeout": 10}
 #: A lost race (deadlock, lock wait, serialization failure) is run again up
 #: to this many tries in all, within this many seconds, sleeping a jittered
 #: backoff that doubles from the base up to the cap between tries.

@@ -72,10 +72,19 @@ def _ends_within(work: Any, deadline: float = DEADLINE) -> Any:
     return out[0]
 
 
-@pytest.mark.parametrize("scheme", ["redis", "memcached"])
-def test_store_on_a_hung_server_fails_fast(hung_port: int, scheme: str) -> None:
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://127.0.0.1:{port}",
+        "memcached://127.0.0.1:{port}",
+        "db+postgresql+psycopg://postgres@127.0.0.1:{port}/db",
+        "db+mysql+pymysql://root@127.0.0.1:{port}/db",
+    ],
+    ids=["redis", "memcached", "postgresql", "mysql"],
+)
+def test_store_on_a_hung_server_fails_fast(hung_port: int, url: str) -> None:
     """A store URL on a hung server: the acquire raises StoreUnavailable in seconds."""
-    store = store_from_url(f"{scheme}://127.0.0.1:{hung_port}")
+    store = store_from_url(url.format(port=hung_port))
     kind, value = _ends_within(lambda: store.acquire("bounded:k", "owner", 30, META))
     assert kind == "error" and isinstance(value, StoreUnavailable)
 
