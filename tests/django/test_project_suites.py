@@ -95,7 +95,7 @@ def test_pytest_django_suite(request: pytest.FixtureRequest, vendor: str) -> Non
     server = request.getfixturevalue(fixture)
     name = f"sample_pytest_{vendor}"
     result = _run(
-        ["-m", "pytest", "-c", "pytest.ini", "-q", "sample/test_pytest.py"],
+        ["-m", "pytest", "-c", "pytest.ini", "-q", "sample/suite_pytest.py"],
         _environment(vendor, server.port, name),
     )
     output = result.stdout + result.stderr
