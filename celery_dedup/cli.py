@@ -408,8 +408,8 @@ class Operator:
             return
         try:
             reaped = reap_locks(self.app, task_name=task)
-        except StoreError as exc:
-            raise CommandFailed(str(exc)) from exc
+        except (StoreError, ScanNotSupported) as exc:
+            raise CommandFailed(f"cannot reap: {exc}") from exc
         for lock in reaped:
             holder = f"{lock.task_name}[{lock.task_id}]"
             self.echo(f"{self.ok} reaped {short(lock.key)} held by {holder}")

@@ -10,8 +10,10 @@ costs a round trip per call:
 
 * ``incr`` only adds to a local ``Counter``; once at least
   ``dedup_metrics_flush_interval`` seconds (default 5) have passed since the
-  last flush, the call that notices it adds the whole batch to the store with
-  ``CounterSupport.add_counts`` (one round trip for every counter);
+  last flush, the call that notices it starts a background thread that adds
+  the whole batch to the store with ``CounterSupport.add_counts`` (one round
+  trip for every counter), so a slow or hung store never delays a call
+  (with an interval of 0, for tests, the flush is inline);
 * pending counts are also flushed at ``worker_process_shutdown``,
   ``worker_shutdown`` and interpreter exit (``atexit``; a store already gone
   by then is logged at DEBUG only);
@@ -98,6 +100,8 @@ class Metrics:
         self._lock = threading.Lock()
         self._due = clock() + interval
         self._warned = False
+        #: a background flush is running (at most one at a time)
+        self._flushing = False
         _INSTANCES.add(self)
 
     def incr(self, task_name: str, event: str, n: int = 1) -> None:
@@ -111,7 +115,24 @@ class Metrics:
                 return
             # Claimed under the lock: only one thread flushes per interval.
             self._due = now + self.interval
-        self.flush()
+            if self.interval > 0:
+                if self._flushing:
+                    return
+                self._flushing = True
+        if self.interval <= 0:
+            self.flush()  # every count, inline: for tests only (see flush_interval)
+            return
+        # Off the call's path: a slow or hung store never delays the call that
+        # happened to notice the interval had passed.
+        threading.Thread(target=self._flush_in_background, name="celery-dedup-metrics",
+                         daemon=True).start()
+
+    def _flush_in_background(self) -> None:
+        try:
+            self.flush()
+        finally:
+            with self._lock:
+                self._flushing = False
 
     def take(self) -> dict[tuple[str, str], int]:
         """Return and forget the pending counts."""
@@ -169,6 +190,7 @@ class Metrics:
         # The lock may have been held by another thread at fork time.
         self._lock = threading.Lock()
         self._pending = Counter()
+        self._flushing = False
         self._due = self._clock() + self.interval
 
 

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -32,12 +33,21 @@ from .stores.base import LockStore
 if TYPE_CHECKING:
     from celery import Celery
 
-__all__ = ["WATCHED_SETTINGS", "AppSettings", "Runtime", "reset_runtime", "runtime_for"]
+__all__ = [
+    "WATCHED_SETTINGS",
+    "AppSettings",
+    "Runtime",
+    "invalidate_all",
+    "reset_runtime",
+    "runtime_for",
+]
 
 logger = logging.getLogger("celery_dedup")
 
 _ATTR = "_celery_dedup_runtime"
 _CREATE_LOCK = threading.Lock()
+#: Every live runtime, whichever app it belongs to (``invalidate_all``).
+_RUNTIMES: weakref.WeakSet[Runtime] = weakref.WeakSet()
 
 #: settings whose change on ``app.conf`` makes the next call re-read them
 WATCHED_SETTINGS = (
@@ -332,9 +342,21 @@ def runtime_for(app: Celery) -> Runtime:
             if runtime is None:
                 runtime = Runtime(app)
                 setattr(app, _ATTR, runtime)
+                _RUNTIMES.add(runtime)
                 return runtime
     runtime.refresh()
     return runtime
+
+
+def invalidate_all() -> None:
+    """Make every Celery app's next call re-read its ``dedup_*`` settings.
+
+    For settings that live outside ``app.conf`` and change under it (Django's
+    ``override_settings``): every app, not only ``celery.current_app``, since a
+    project may have several.
+    """
+    for runtime in list(_RUNTIMES):
+        runtime.invalidate()
 
 
 def reset_runtime(app: Celery) -> None:

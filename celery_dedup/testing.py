@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -51,6 +51,7 @@ __all__ = [
     "assert_not_deduplicated",
     "capture_dedup_signals",
     "held_locks",
+    "isolated",
     "memory_store",
 ]
 
@@ -221,3 +222,77 @@ def capture_dedup_signals() -> Iterator[CapturedSignals]:
     finally:
         for signal, receiver in receivers:
             signal.disconnect(receiver)
+
+
+#: What ``isolated`` sets on the app while it is open.
+_ISOLATED = {
+    "broker_url": "memory://",
+    "result_backend": "cache+memory://",
+    "broker_connection_retry_on_startup": False,
+}
+
+
+@contextmanager
+def isolated(
+    app: Celery | DedupTask, *, eager: bool = False, clock: Callable[[], float] = time.time
+) -> Iterator[MemoryStore]:
+    """Run ``app`` (or the app of the task given) with no broker, result backend or store.
+
+    Inside the block the app publishes to Celery's in-process ``memory://``
+    transport, keeps results in process (``cache+memory://``) and locks in a
+    fresh ``MemoryStore`` (see ``memory_store``), so a test needs no server:
+    calls are published and stay queued (their locks held) until an
+    in-process worker (``celery.contrib.testing.worker.start_worker``) runs
+    them. With ``eager=True`` calls run inside ``delay()`` instead
+    (``task_always_eager``, errors propagated). Yields the store; everything
+    the app had before comes back when the block ends.
+    """
+    target = _app_of(app)
+    conf = target.conf
+    changes: dict[str, Any] = dict(_ISOLATED)
+    if eager:
+        changes.update(task_always_eager=True, task_eager_propagates=True)
+    saved = {name: conf.get(name) for name in changes}
+    cached = _connection_caches(target)
+    conf.update(changes)
+    _drop_connection_caches(target)
+    try:
+        with memory_store(target, clock=clock) as store:
+            yield store
+    finally:
+        with suppress(Exception), target.connection_for_write() as conn:
+            conn.default_channel.queue_purge(conf.task_default_queue)  # type: ignore[attr-defined]
+        conf.update(saved)
+        _restore_connection_caches(target, cached)
+
+
+def _connection_caches(app: Celery) -> tuple[Any, ...]:
+    """The app's cached connection pools and result backend (restored afterwards)."""
+    local = app._local  # type: ignore[attr-defined]
+    return (
+        app._pool,  # type: ignore[attr-defined]
+        app.amqp._producer_pool,  # type: ignore[attr-defined]
+        app._backend_cache,  # type: ignore[attr-defined]
+        getattr(local, "backend", None),
+    )
+
+
+def _drop_connection_caches(app: Celery) -> None:
+    """Make the app build its pools and backend again from its (changed) settings."""
+    app._pool = None  # type: ignore[attr-defined]
+    app.amqp._producer_pool = None  # type: ignore[attr-defined]
+    app._backend_cache = None  # type: ignore[attr-defined]
+    with suppress(AttributeError):
+        del app._local.backend  # type: ignore[attr-defined]
+
+
+def _restore_connection_caches(app: Celery, cached: tuple[Any, ...]) -> None:
+    pool, producers, backend_cache, backend = cached
+    app._pool = pool  # type: ignore[attr-defined]
+    app.amqp._producer_pool = producers  # type: ignore[attr-defined]
+    app._backend_cache = backend_cache  # type: ignore[attr-defined]
+    local = app._local  # type: ignore[attr-defined]
+    with suppress(AttributeError):
+        del local.backend
+    if backend is not None:
+        local.backend = backend

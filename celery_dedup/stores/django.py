@@ -7,14 +7,28 @@ Selected when the result backend is ``django-db`` (django-celery-results) or
 
 The SQL lives in ``LockQueries`` (``contrib/django/managers.py``).
 
-**Its own connection.** Lock writes never join the caller's transaction:
-each thread (and each process: a forked child opens its own) uses a second
-connection to the alias, made by the store, in autocommit, so a lock is
-visible and durable as soon as the call returns whatever the caller's
-``transaction.atomic()`` or ``ATOMIC_REQUESTS`` does next. SQLite is the
-exception: it has a single writer, so inside the caller's ``atomic()`` a
-second connection would wait for the commit that waits for it; there the
-store writes through the caller's connection (docs/django.md).
+**Which connection.** A lock must be visible and durable as soon as the call
+returns, whatever the caller's transaction does next, and the store must
+never keep a connection the project's requests and tasks need. So, per
+operation and per thread, as Django itself would:
+
+- outside any ``atomic()`` block (PostgreSQL, SQLite): Django's own
+  connection of the thread (``connections[alias]``), in autocommit. If the
+  store opened it, it hands it back when the operation ends through
+  ``close_if_unusable_or_obsolete()``: closed with ``CONN_MAX_AGE = 0``,
+  returned to the pool with ``OPTIONS["pool"]``, kept with a persistent
+  ``CONN_MAX_AGE``, exactly as at the end of a request;
+- inside the caller's ``atomic()`` (or ``ATOMIC_REQUESTS``), and always on
+  MySQL/MariaDB (whose store sessions are UTC): a second connection of this
+  thread with the alias's settings in autocommit, so the lock escapes the
+  caller's transaction. It is handed back the same way at the end of each
+  operation; on a pooled alias it comes from a pool of the store's own with
+  the alias's pool options and ``min_size`` 0 (the thread may hold one of the
+  project's pooled connections, and must never wait for a second one);
+- inside a ``TestCase`` (Django's or pytest-django's ``db``), and on SQLite
+  inside ``atomic()`` (one writer: a second connection would wait for the
+  commit that waits for it): the caller's connection, so locks roll back with
+  the test and the test database has no other user when it is dropped.
 
 **Contention is not an outage.** Deadlocks, serialization failures, lock
 waits and lost first-insert races are retried here with bounded, jittered
@@ -30,6 +44,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, suppress
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from django.db import connections
@@ -119,8 +134,6 @@ def _answer(exc: BaseException) -> str:
 #: Attempts of one operation under contention, and the backoff cap (seconds).
 CONTENTION_ATTEMPTS = 40
 BACKOFF_CAP = 0.2
-#: A connection idle this long is pinged before use (servers drop idle ones).
-IDLE_CHECK = 30.0
 
 E_NOT_INSTALLED = (
     "The django-db lock store needs 'celery_dedup.contrib.django' in INSTALLED_APPS "
@@ -132,6 +145,10 @@ E_NO_ALIAS = "The django-db lock store names database alias {alias!r}, which is 
 #: one could say goodbye on the socket its parent still uses).
 _INHERITED: list[Any] = []
 _OWN = "celery_dedup_own"
+_QUERIES = "_celery_dedup_queries"
+_PID = "_celery_dedup_pid"
+#: The store's own pool of a pooled alias is keyed ``ALIAS + POOL_SUFFIX + .PID``.
+POOL_SUFFIX = ".celery_dedup"
 
 
 def _utc_session(sender: Any, connection: Any, **kwargs: Any) -> None:
@@ -144,20 +161,46 @@ def _utc_session(sender: Any, connection: Any, **kwargs: Any) -> None:
 connection_created.connect(_utc_session, dispatch_uid="celery_dedup.utc_session")
 
 
+def _note_process(sender: Any, connection: Any, **kwargs: Any) -> None:
+    """Remember which process opened ``connection`` (a forked child must not use it)."""
+    connection.__dict__[_PID] = os.getpid()
+
+
+connection_created.connect(_note_process, dispatch_uid="celery_dedup.note_process")
+
+
+def _opened_here(connection: Any) -> bool:
+    """Whether ``connection`` is closed or was opened by this process."""
+    return connection.connection is None or connection.__dict__.get(_PID) == os.getpid()
+
+
 def _own_connection(main: Any) -> Any:
-    """A second ``DatabaseWrapper`` on ``main``'s database: autocommit, kept open."""
-    settings = {
-        **main.settings_dict,
-        "AUTOCOMMIT": True,
-        "ATOMIC_REQUESTS": False,
-        "CONN_MAX_AGE": None,
-        "CONN_HEALTH_CHECKS": True,
-    }
+    """A second ``DatabaseWrapper`` on ``main``'s database: autocommit.
+
+    On a pooled alias it draws from a pool of its own (the alias's pool options,
+    ``min_size`` 0), so a lock operation inside a request that holds one of the
+    project's pooled connections never waits for another one of them.
+    """
+    settings = {**main.settings_dict, "AUTOCOMMIT": True, "ATOMIC_REQUESTS": False}
+    options = dict(settings.get("OPTIONS") or {})
+    alias = main.alias
+    pool = options.get("pool")
+    if pool:
+        sizes = {} if pool is True else dict(pool)
+        size = int(sizes.get("max_size") or sizes.get("min_size") or 4)
+        options["pool"] = {**sizes, "min_size": 0, "max_size": size}
+        alias = f"{main.alias}{POOL_SUFFIX}.{os.getpid()}"
     if main.vendor == "mysql":
-        settings["OPTIONS"] = {**settings.get("OPTIONS", {}), "isolation_level": "read committed"}
-    wrapper = type(main)(settings, main.alias)
+        options["isolation_level"] = "read committed"
+    settings["OPTIONS"] = options
+    wrapper = type(main)(settings, alias)
     setattr(wrapper, _OWN, True)
     return wrapper
+
+
+def in_test_transaction(connection: Any) -> bool:
+    """Whether ``connection`` is inside a ``TestCase``'s per-test transaction."""
+    return any(getattr(block, "_from_testcase", False) for block in connection.atomic_blocks)
 
 
 class DjangoStore:
@@ -194,44 +237,74 @@ class DjangoStore:
 
     # -- connection and errors ----------------------------------------------
 
+    def _uses_callers_connection(self, main: Any) -> bool:
+        """Run on Django's connection of this thread (see the module docstring)?"""
+        if main.in_atomic_block:
+            return bool(main.vendor == "sqlite" or in_test_transaction(main))
+        # A connection a forked child inherited is its parent's: never touched here.
+        return bool(
+            main.vendor != "mysql" and main.settings_dict["AUTOCOMMIT"] and _opened_here(main)
+        )
+
     def _queries(self) -> LockQueries:
-        """The SQL bound to this thread's connection (see the module docstring)."""
+        """The SQL bound to the connection this thread's next operation uses."""
         main = connections[self.using]
-        if main.vendor == "sqlite" and main.in_atomic_block:
-            return self._locks.queries(main)
+        if self._uses_callers_connection(main):
+            return self._bound(main)
         state = self._local
         if getattr(state, "pid", None) != os.getpid():
-            if getattr(state, "queries", None) is not None:
-                _INHERITED.append(state.queries.connection)
-            state.queries = self._locks.queries(_own_connection(main))
+            if getattr(state, "own", None) is not None:
+                _INHERITED.append(state.own)
+            state.own = _own_connection(main)
             state.pid = os.getpid()
-            state.used = time.monotonic()
-        queries: LockQueries = state.queries
-        wrapper = queries.connection
-        now = time.monotonic()
-        if wrapper.errors_occurred or now - state.used > IDLE_CHECK:
-            # Pings it on next use (CONN_HEALTH_CHECKS) and reconnects if it is gone.
-            wrapper.close_if_unusable_or_obsolete()
-        state.used = now
+        return self._bound(state.own)
+
+    def _bound(self, wrapper: Any) -> LockQueries:
+        """``LockQueries`` for ``wrapper``, made once per wrapper."""
+        queries: LockQueries | None = wrapper.__dict__.get(_QUERIES)
+        if queries is None:
+            queries = wrapper.__dict__[_QUERIES] = self._locks.queries(wrapper)
         return queries
+
+    @contextmanager
+    def _connection(self) -> Iterator[LockQueries]:
+        """This operation's connection, handed back as Django would at a request's end.
+
+        A connection the store opened is closed (``CONN_MAX_AGE = 0``),
+        returned to the pool, or kept (persistent ``CONN_MAX_AGE``) by
+        ``close_if_unusable_or_obsolete``; one the caller had open is the
+        caller's, left as it is unless an error made it unusable.
+        """
+        queries = self._queries()
+        wrapper = queries.connection
+        own = getattr(wrapper, _OWN, False)
+        if own:
+            # A persistent connection past CONN_MAX_AGE, or dropped while idle: renew it.
+            wrapper.close_if_unusable_or_obsolete()
+        opened = wrapper.connection is None
+        try:
+            yield queries
+        finally:
+            if not wrapper.in_atomic_block:
+                with suppress(DatabaseError):
+                    if own or opened:
+                        wrapper.close_if_unusable_or_obsolete()
+                    elif wrapper.errors_occurred and not wrapper.is_usable():
+                        wrapper.close()
 
     def _run(self, operation: Callable[[LockQueries], T]) -> T:
         """Run ``operation``, again under contention; "unreachable" → ``StoreUnavailable``."""
         for attempt in range(CONTENTION_ATTEMPTS):
-            queries = self._queries()
-            try:
-                with store_errors(classify, self.name, lambda: self.label, _answer):
-                    try:
-                        return operation(queries)
-                    except DatabaseError as exc:
-                        if not is_contention(exc):
-                            raise
-                        reason = type(exc).__name__
-                        logger.debug("%s lost a race (%s), attempt %d", self.label, reason, attempt)
-            except StoreUnavailable:
-                if getattr(queries.connection, _OWN, False):
-                    queries.connection.close_if_unusable_or_obsolete()
-                raise
+            with self._connection() as queries, store_errors(
+                classify, self.name, lambda: self.label, _answer
+            ):
+                try:
+                    return operation(queries)
+                except DatabaseError as exc:
+                    if not is_contention(exc):
+                        raise
+                    reason = type(exc).__name__
+                    logger.debug("%s lost a race (%s), attempt %d", self.label, reason, attempt)
             time.sleep(random.uniform(0, min(BACKOFF_CAP, 0.002 * 2**attempt)))
         raise StoreContention(
             f"lock store {self.label} gave up after {CONTENTION_ATTEMPTS} attempts "

@@ -64,6 +64,7 @@ E_DUMMY_CACHE = (
     "Point dedup_store at a real cache."
 )
 E_UNKNOWN_ALIAS = "django-cache://{alias}: no cache named {alias!r} in settings.CACHES"
+_BUILD_LOCK = threading.Lock()
 #: The file a ``FileBasedCache`` directory is locked with (not a ``.djcache`` entry).
 LOCK_FILE = "celery-dedup.lock"
 
@@ -102,6 +103,7 @@ class DjangoCacheStore:
         self.label = f"django-cache ({alias})"
         self.clock = clock
         self._memcached: tuple[str, MemcachedStore] | None = None
+        self._redis: tuple[str, LockStore] | None = None
 
     @classmethod
     def from_url(
@@ -130,11 +132,39 @@ class DjangoCacheStore:
         if native and isinstance(cache_, PyMemcacheCache):
             return self._memcached_store(cache_)
         if native and isinstance(cache_, RedisCache):
-            from .redis import RedisStore
-
-            client = cache_._cache.get_client(write=True)
-            return RedisStore(client, keyprefix=cache_.make_key(""), label=self.label)
+            return self._redis_store(cache_)
         return _GenericCacheLocks(cache_, self.label, self.clock)
+
+    def _redis_store(self, cache_: Any) -> LockStore:
+        """The Redis store on the cache's primary, one client and pool per process.
+
+        Django makes a cache object, and so a connection pool, per thread: a
+        store on that would open a connection per thread (per request under a
+        thread-per-request server) and never close it. The pool is made here
+        from the cache's settings instead and shared by every thread.
+        """
+        from redis import Redis
+
+        from .redis import DEFAULT_TIMEOUTS, RedisStore
+
+        client_ = cache_._cache
+        server = client_._servers[0]
+        options = client_._pool_options
+        keyprefix = cache_.make_key("")
+        fingerprint = repr((server, sorted(options.items(), key=repr), keyprefix, os.getpid()))
+        built = self._redis
+        if built is None or built[0] != fingerprint:
+            with _BUILD_LOCK:
+                built = self._redis
+                if built is None or built[0] != fingerprint:
+                    pool = client_._pool_class.from_url(server, **options)
+                    timeouts = {k: options[k] for k in DEFAULT_TIMEOUTS if k in options}
+                    store = RedisStore(
+                        Redis(connection_pool=pool), keyprefix=keyprefix, label=self.label,
+                        timeouts=timeouts,
+                    )
+                    built = self._redis = (fingerprint, store)
+        return built[1]
 
     def _memcached_store(self, cache_: Any) -> MemcachedStore:
         """The memcached store on the cache's servers (rebuilt if its settings change)."""
@@ -285,6 +315,9 @@ class _GenericCacheLocks(CacheLocks):
         self.clock = clock
         self._room = MAX_KEY_LENGTH - len(cache_.make_key(""))
         self._exclusive: Callable[[], AbstractContextManager[Any]] = nullcontext
+        #: Django's own local-memory and file caches keep float timeouts exactly.
+        self._exact = isinstance(cache_, (LocMemCache, FileBasedCache))
+        self._whole_seconds = isinstance(cache_, DatabaseCache)
         self.guarantee = CacheGuarantee.BEST_EFFORT
         if isinstance(cache_, LocMemCache):
             # Every LocMemCache of one LOCATION shares this dict in the process.
@@ -314,11 +347,19 @@ class _GenericCacheLocks(CacheLocks):
     def _now(self, physical: str) -> float:
         return self.clock()
 
-    def _timeout(self, seconds: float) -> int | None:
+    def _timeout(self, seconds: float) -> float | None:
         # As memcached: an entry meant to outlive 2038 never expires (some
         # backends cannot store such a date).
         if time.time() + seconds > MAX_UNIX_EXPIRY:
             return None
+        if self._whole_seconds:
+            # The database cache drops the fraction of its expiry time: one more second
+            # keeps the entry at least ``seconds``, and at most a second past its record.
+            return seconds + 1
+        if self._exact:
+            # The entry ends when its record says (not up to 2 s later, as memcached's
+            # whole seconds would): an expired holder never answers a later acquire.
+            return max(seconds, 0.001)
         return expiry_for(seconds)
 
     def _read(self, physical: str, *others: str) -> tuple[Slot, set[str]]:

@@ -536,6 +536,11 @@ def _unpack(key: str, record: str) -> tuple[str, str, str, int, str, bool] | Non
     return _dec(record[2:end]), name, policy, at, rest, record[0] == "1"
 
 
+#: Connect and operation timeouts (seconds) of the store's connections; override
+#: them with ``dedup_store_options`` (e.g. ``{"socket_timeout": 10}``).
+DEFAULT_TIMEOUTS: Mapping[str, float] = {"socket_connect_timeout": 5.0, "socket_timeout": 5.0}
+
+
 class RedisStore:
     """Owner-checked TTL locks in Redis (also Sentinel and TLS via ``rediss://``).
 
@@ -547,7 +552,14 @@ class RedisStore:
     #: the driver errors that mean "the server cannot be reached"
     unreachable: tuple[type[BaseException], ...] = UNREACHABLE
 
-    def __init__(self, client: Any, *, keyprefix: str = "", label: str = "redis") -> None:
+    def __init__(
+        self,
+        client: Any,
+        *,
+        keyprefix: str = "",
+        label: str = "redis",
+        timeouts: Mapping[str, Any] | None = None,
+    ) -> None:
         self.client = client
         self.keyprefix = keyprefix
         self.label = label
@@ -563,8 +575,11 @@ class RedisStore:
         self._end_run: Script = client.register_script(END_RUN)
         self._lease: Script = client.register_script(LEASE)
         #: per-thread connections the scripts run on (None: through the
-        #: client's own command path, e.g. a cluster client routing by slot)
-        self._wire = ScriptWire(client) if isinstance(client, redis.Redis) else None
+        #: client's own command path, e.g. a cluster client routing by slot), with
+        #: the store's connect and operation timeouts (``DEFAULT_TIMEOUTS``)
+        wanted = {**DEFAULT_TIMEOUTS, **(timeouts or {})}
+        bounded = {name: wanted[name] for name in DEFAULT_TIMEOUTS}
+        self._wire = ScriptWire(client, bounded) if isinstance(client, redis.Redis) else None
 
     @classmethod
     def from_url(
@@ -574,8 +589,12 @@ class RedisStore:
         from kombu.utils.url import maybe_sanitize_url
 
         label = f"redis ({maybe_sanitize_url(url)})"
+        # Bounded waits unless dedup_store_options says otherwise (a hung server
+        # costs a call seconds, not the result backend's 120 s socket timeout).
+        given = dict(options or {})
+        options = {**DEFAULT_TIMEOUTS, **given}
         if app is None:
-            return cls(redis.Redis.from_url(url, **dict(options or {})), label=label)
+            return cls(redis.Redis.from_url(url, **options), label=label, timeouts=options)
         keyprefix = ""
         backend: Any
         transport_options = app.conf.get("result_backend_transport_options") or {}
@@ -585,9 +604,9 @@ class RedisStore:
         else:
             backend = _backend_for_url(app, url)
         client = backend.client
-        if options:
-            client = _with_options(backend, options)
-        return cls(client, keyprefix=keyprefix, label=label)
+        if given:
+            client = _with_options(backend, given)
+        return cls(client, keyprefix=keyprefix, label=label, timeouts=options)
 
     def classify(self, exc: BaseException) -> type[StoreError] | None:
         """What a driver error means (``classify``, with this store's ``unreachable``)."""

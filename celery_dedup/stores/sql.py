@@ -123,6 +123,11 @@ logger = logging.getLogger("celery_dedup")
 #: ``connect_timeout``), unless the URL or ``connect_args`` set one: a port
 #: that does not speak PostgreSQL then fails fast instead of hanging.
 CONNECT_TIMEOUT = 10
+#: MySQL/MariaDB drivers' connect and socket read/write timeouts (seconds),
+#: unless the URL or ``connect_args`` set them: a hung server fails a call in
+#: seconds. The store's statements and transactions are short; a row lock held
+#: elsewhere for longer than the read timeout fails the call (fallback).
+MYSQL_TIMEOUTS: Mapping[str, int] = {"connect_timeout": 5, "read_timeout": 10, "write_timeout": 10}
 #: A lost race (deadlock, lock wait, serialization failure) is run again up
 #: to this many tries in all, within this many seconds, sleeping a jittered
 #: backoff that doubles from the base up to the cap between tries.
@@ -284,6 +289,12 @@ class SQLStore:
         if backend.driver in ("psycopg", "psycopg2") and "connect_timeout" not in parsed.query:
             options["connect_args"] = {
                 "connect_timeout": CONNECT_TIMEOUT, **(options.get("connect_args") or {})
+            }
+        if backend.driver in ("pymysql", "mysqldb"):
+            given = {**parsed.query, **(options.get("connect_args") or {})}
+            options["connect_args"] = {
+                **{k: v for k, v in MYSQL_TIMEOUTS.items() if k not in given},
+                **(options.get("connect_args") or {}),
             }
         # Every operation is one statement or an explicit transaction, so the
         # driver must not wrap statements in BEGIN/COMMIT round trips.

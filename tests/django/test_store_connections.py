@@ -287,8 +287,11 @@ def test_dropped_connection_fails_one_call_then_reconnects(database: Database) -
     conn.cursor().execute(kill, [backend])
     conn.close()
     time.sleep(0.2)
-    with pytest.raises(StoreUnavailable):
-        store.get("conn:drop")
+    # PostgreSQL: the thread's Django connection fails once. MariaDB: the store's
+    # own connection (CONN_MAX_AGE = 0) is renewed per operation, so none fails.
+    if database.vendor == "postgresql":
+        with pytest.raises(StoreUnavailable):
+            store.get("conn:drop")
     lock = store.get("conn:drop")
     assert lock is not None and lock.owner == "token-a"
 

@@ -35,6 +35,7 @@ from django.utils.translation import ngettext
 
 from ...api import dedup_key_for, release
 from ...cli import Assessment, assess, duration
+from ...exceptions import ScanNotSupported, StoreUnavailable
 from ...runtime import runtime_for
 from ...stores.base import Lock, LockStore
 from .models import DedupLock
@@ -217,8 +218,14 @@ class DedupLockAdmin(admin.ModelAdmin):  # type: ignore[misc]
         if request.method == "POST":
             return self._run_action(request)
         store, prefix, app = self.get_store()
-        locks = sorted(store.scan(prefix), key=lambda lock: (lock.task_name, lock.key)) \
-            if store is not None else []
+        locks: list[Lock] = []
+        if store is not None:
+            try:
+                locks = sorted(store.scan(prefix), key=lambda lock: (lock.task_name, lock.key))
+            except (ScanNotSupported, StoreUnavailable) as exc:
+                # A page saying why, never an HTTP 500: memcached cannot list its keys.
+                self.message_user(request, _("Cannot list the live locks: %(error)s")
+                                  % {"error": exc}, messages.ERROR)
         query = request.GET.get("q", "").strip()
         task = request.GET.get("task", "")
         lookup = _Lookup(app, request.GET)

@@ -14,16 +14,13 @@ _WATCHED_PREFIXES = ("CELERY_DEDUP_", "CELERY_RESULT_BACKEND", "CELERY_BROKER_UR
 
 
 def _settings_changed(setting: str = "", **_: Any) -> None:
-    """``setting_changed`` (``override_settings``): the next call re-reads the settings."""
+    """``setting_changed`` (``override_settings``): every app's next call re-reads them."""
     if not setting.startswith(_WATCHED_PREFIXES):
         return
-    from celery import current_app
+    from ...runtime import invalidate_all
 
-    from ...runtime import _ATTR
-
-    runtime = getattr(current_app._get_current_object(), _ATTR, None)  # type: ignore[attr-defined]
-    if runtime is not None:
-        runtime.invalidate()
+    # Every Celery app of the project, not only celery.current_app.
+    invalidate_all()
 
 
 class CeleryDedupConfig(AppConfig):  # type: ignore[misc]

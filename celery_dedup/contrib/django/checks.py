@@ -28,10 +28,16 @@ id                      setting
                         trip (a ``database``-tagged check: run by
                         ``manage.py check --database default`` and
                         ``migrate``, never by a plain ``check``)
+``celery_dedup.E016``   the store cannot be built as a call would build it
+                        (a ``DATABASES``/``CACHES`` alias that does not
+                        exist, a ``DummyCache``, the app not installed)
 ``celery_dedup.W001``   an unknown ``CELERY_DEDUP_*`` setting (a typo?)
 ``celery_dedup.W010``   the store is a Django cache without compare-and-set
                         (best effort owner checks)
 ``celery_dedup.W011``   the store is a ``LocMemCache`` (one process only)
+``celery_dedup.W012``   no lock store, but the broker is SQS and
+                        ``CELERY_DEDUP_NATIVE`` is ``auto``: calls to
+                        ``.fifo`` queues deduplicate natively, others fail
 ``celery_dedup.W020``   a task that is not a ``DedupTask`` sets dedup
                         options (nothing reads them); checked once the
                         Celery app is finalized
@@ -47,9 +53,10 @@ from typing import Any, Final
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Warning
 
-from ...exceptions import InvalidOptionError
+from ...exceptions import ImproperlyConfigured, InvalidOptionError
+from ...native import Native
 from ...options import KNOWN_SETTINGS, SETTINGS, did_you_mean
-from ...stores import ALIASES, ENTRY_POINT_GROUP, derive_store_url, split_url
+from ...stores import ALIASES, ENTRY_POINT_GROUP, derive_store_url, split_url, store_from_url
 
 __all__ = ["CHECK_IDS", "check_settings", "check_store", "check_tasks", "django_setting_name"]
 
@@ -73,10 +80,12 @@ E_UNKNOWN_SCHEME: Final = "celery_dedup.E009"
 E_STORE_OPTIONS: Final = "celery_dedup.E010"
 E_NO_STORE: Final = "celery_dedup.E014"
 E_STORE_UNUSABLE: Final = "celery_dedup.E015"
+E_STORE_UNBUILDABLE: Final = "celery_dedup.E016"
 W_PLAIN_TASK: Final = "celery_dedup.W020"
 W_UNKNOWN_SETTING: Final = "celery_dedup.W001"
 W_BEST_EFFORT_CACHE: Final = "celery_dedup.W010"
 W_LOCMEM_CACHE: Final = "celery_dedup.W011"
+W_NATIVE_ONLY: Final = "celery_dedup.W012"
 
 #: every setting celery-dedup reads
 KNOWN: Final = KNOWN_SETTINGS
@@ -123,7 +132,7 @@ def _app_conf() -> Any:
     return None if app is None else app.conf
 
 
-def _check_store_derivable() -> Error | None:
+def _check_store_derivable() -> Error | Warning | None:
     """No store can be derived and the user did not opt into publishing without one."""
     app = _app()
     if app is None or app.conf.get("dedup_fallback") is not None:
@@ -133,6 +142,17 @@ def _check_store_derivable() -> Error | None:
             return None
     except Exception:  # an invalid dedup_store is reported by E001/E009
         return None
+    broker = str(app.conf.get("broker_url") or "").split(";")[0].strip()
+    native = str(app.conf.get("dedup_native") or Native.AUTO.value)
+    if split_url(broker)[0] == "sqs" and native == Native.AUTO.value:
+        # Calls to .fifo queues need no store: not a reason to block migrate/runserver.
+        return Warning(
+            "celery-dedup has no lock store: calls routed to SQS FIFO (.fifo) queues "
+            "deduplicate natively, but a DedupTask call to any other queue would fail with "
+            "ImproperlyConfigured",
+            hint="Route deduplicated tasks to .fifo queues only, or set CELERY_DEDUP_STORE.",
+            id=W_NATIVE_ONLY,
+        )
     backend = app.conf.get("result_backend") or "none"
     return Error(
         "celery-dedup has no lock store: none can be derived from the result backend "
@@ -154,6 +174,8 @@ def _check_one(name: str, where: str, value: Any) -> Error | None:
                 id=E_STORE_OPTIONS,
             )
         return None
+    if name == "dedup_store" and value == "":
+        return None  # as at run time: empty means "derive it from the result backend"
     validate = SETTINGS[name][1]
     try:
         validate(value, where)
@@ -164,7 +186,7 @@ def _check_one(name: str, where: str, value: Any) -> Error | None:
             f"({_default(name)!r}).",
             id=CHECK_IDS[name],
         )
-    if name == "dedup_store" and value is not None:
+    if name == "dedup_store" and value:
         return _check_scheme(where, value)
     return None
 
@@ -209,10 +231,40 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
     no_store = _check_store_derivable()
     if no_store is not None:
         messages.append(no_store)
+    unusable = _check_store_builds()
+    if unusable is not None:
+        messages.append(unusable)
+        return messages
     cache = _check_cache_store()
     if cache is not None:
         messages.append(cache)
     return messages
+
+
+def _check_store_builds() -> Error | None:
+    """A Django store (``django-db``, ``django-cache``) that a call could not build.
+
+    Built exactly as the first call builds it (``store_from_url``), which
+    checks the alias, the backend and the installed app without touching the
+    database or the cache, so the check and the call agree.
+    """
+    app = _app()
+    try:
+        url = derive_store_url(app) if app is not None else None
+    except Exception:  # an invalid dedup_store is reported by E001/E009
+        return None
+    if url is None or split_url(url)[0] not in ("django-db", "django-cache"):
+        return None
+    options = app.conf.get("dedup_store_options")
+    try:
+        store_from_url(url, app=app, options=options if isinstance(options, Mapping) else None)
+    except ImproperlyConfigured as exc:
+        return Error(
+            f"celery-dedup cannot use its lock store {url!r}: {exc}",
+            hint="Fix the alias or backend; every DedupTask call would fail with this error.",
+            id=E_STORE_UNBUILDABLE,
+        )
+    return None
 
 
 def _check_cache_store() -> Warning | None:
