@@ -4,8 +4,9 @@
 with the ``test`` extra; ``scripts/test`` runs them when ``CI`` is set. The
 full suite runs on the main combination in ``scripts/test``; here each
 session runs a representative subset: the store contract on Redis, SQLite
-and memory, SQL contention on SQLite, a real worker on Redis, and the Django
-DB store (SQLite and PostgreSQL, through the project's own queries).
+and memory, SQLite's "database is locked" taken as contention, a real worker
+on Redis, and the Django DB store (SQLite and PostgreSQL, through the
+project's own queries).
 
 - ``oldest``: Python 3.10 and the lowest minor release of every range in
   ``setup.cfg`` for Celery, kombu, redis-py, Django and SQLAlchemy (its
@@ -41,7 +42,10 @@ CORE = (
     "-p", "no:django",
     "-m", "not (postgres or mysql or memcached or redis_cluster or rabbitmq)",
     "tests/stores/test_conformance.py",
-    "tests/stores/test_sql_contention.py",
+    # "database is locked" is contention, not an outage (Python 3.10 has no
+    # sqlite_errorcode); the file's burst tests are left to the full suite.
+    "tests/stores/test_sql_contention.py::test_wait_that_never_ends_raises_store_contention",
+    "tests/stores/test_sql_contention.py::test_wait_that_ends_is_retried",
     "tests/test_smoke_redis.py",
     "tests/core/test_basic_worker.py",
 )  # fmt: skip
