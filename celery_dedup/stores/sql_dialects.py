@@ -14,6 +14,7 @@ the copy's delivery token: a lease (``RUNNING_POLICY``) or a done marker
 
 from __future__ import annotations
 
+import sqlite3
 from collections import namedtuple
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
@@ -113,6 +114,8 @@ _MYSQL_CONTENTION = frozenset({1205, 1213, 1020})
 _POSTGRES_CONTENTION = frozenset({"40001", "40P01", "55P03"})
 #: SQLite's SQLITE_BUSY and SQLITE_LOCKED ("database is locked").
 _SQLITE_CONTENTION = frozenset({5, 6})
+#: The same errors by message, for Python 3.10, whose sqlite3 errors carry no code.
+_SQLITE_CONTENTION_MESSAGES = ("database is locked", "database table is locked")
 
 
 def is_contention(exc: BaseException) -> bool:
@@ -128,6 +131,8 @@ def is_contention(exc: BaseException) -> bool:
     sqlite_code = getattr(orig, "sqlite_errorcode", None)
     if sqlite_code is not None:
         return sqlite_code & 0xFF in _SQLITE_CONTENTION
+    if isinstance(orig, sqlite3.Error):  # Python 3.10: no sqlite_errorcode
+        return any(text in str(orig) for text in _SQLITE_CONTENTION_MESSAGES)
     sqlstate = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
     return sqlstate in _POSTGRES_CONTENTION
 

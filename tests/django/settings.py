@@ -14,6 +14,10 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
+
+import django
+from django.db.backends.signals import connection_created
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT / "example_project") not in sys.path:
@@ -59,14 +63,24 @@ TEMPLATES = [
         },
     }
 ]
+_WAL = "PRAGMA journal_mode=WAL;"
 DATABASES = {
     "default": {
         "ENGINE": "django.db.backends.sqlite3",
         "NAME": str(_TMP / "db.sqlite3"),
-        "OPTIONS": {"timeout": 30, "init_command": "PRAGMA journal_mode=WAL;"},
+        "OPTIONS": {"timeout": 30},
         "TEST": {"NAME": str(_TMP / "test.sqlite3")},
     }
 }
+if django.VERSION >= (5, 1):
+    DATABASES["default"]["OPTIONS"]["init_command"] = _WAL
+else:  # SQLite's init_command is Django 5.1+; the support matrix runs Django 4.2 too.
+
+    def _wal(sender: Any, connection: Any, **kwargs: Any) -> None:
+        if connection.vendor == "sqlite":
+            connection.cursor().execute(_WAL)
+
+    connection_created.connect(_wal, weak=False)
 DEFAULT_AUTO_FIELD = "django.db.models.AutoField"
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 

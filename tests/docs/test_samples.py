@@ -41,6 +41,7 @@ ALL_PAGES = sorted(
 WITHOUT_SAMPLES = {
     "docs/api.md": "the API reference: signatures, no code",
     "docs/benchmarks.md": "commands that run the benchmarks (minutes, on every server)",
+    "docs/development.md": "the test command, release check and support matrix: run by CI itself",
     "docs/example.md": "runs the example project's demo, tested by tests/django/test_demo.py",
     "docs/guarantees.md": "commands that run tests/reliability itself",
 }

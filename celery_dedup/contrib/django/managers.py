@@ -71,9 +71,15 @@ _GIVEN = _COLUMNS[:-2]
 #: serialization failure, deadlock, lock not available; duplicate key.
 _PG_CONTENTION = frozenset({"40001", "40P01", "55P03", "23505"})
 _MYSQL_CONTENTION = frozenset({1213, 1205, 1062})
-#: SQLite: busy or locked (any extended code), a duplicate primary key or unique value.
-_SQLITE_BUSY = frozenset({sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED})
+#: SQLite: SQLITE_BUSY and SQLITE_LOCKED (any extended code), a duplicate primary
+#: key or unique value. Numbers, not ``sqlite3.SQLITE_BUSY``: the module has those
+#: names only from Python 3.11 on.
+_SQLITE_BUSY = frozenset({5, 6})
 _SQLITE_DUPLICATE = frozenset({1555, 2067})
+#: The same errors by message, for Python 3.10, whose sqlite3 errors carry no code.
+_SQLITE_CONTENTION_MESSAGES = (
+    "database is locked", "database table is locked", "UNIQUE constraint failed",
+)
 
 
 class LostRace(DatabaseError):  # type: ignore[misc]
@@ -92,8 +98,8 @@ def is_contention(exc: BaseException) -> bool:
     cause = exc.__cause__ or exc
     if isinstance(cause, sqlite3.Error):
         code = getattr(cause, "sqlite_errorcode", None)
-        if code is None:  # Python < 3.11
-            return "locked" in str(cause) or "UNIQUE constraint failed" in str(cause)
+        if code is None:  # Python 3.10
+            return any(text in str(cause) for text in _SQLITE_CONTENTION_MESSAGES)
         return code & 0xFF in _SQLITE_BUSY or code in _SQLITE_DUPLICATE
     args: tuple[Any, ...] = getattr(cause, "args", ())
     if args and isinstance(args[0], int):  # MySQL drivers: (errno, message)

@@ -1,0 +1,157 @@
+"""The support matrix: the oldest and the newest supported combination.
+
+``nox`` (from the ``dev`` extra) runs both sessions, each in a new virtualenv
+with the ``test`` extra; ``scripts/test`` runs them when ``CI`` is set. The
+full suite runs on the main combination in ``scripts/test``; here each
+session runs a representative subset: the store contract on Redis, SQLite
+and memory, SQLite's "database is locked" taken as contention, a real worker
+on Redis, and the Django DB store (SQLite and PostgreSQL, through the
+project's own queries).
+
+- ``oldest``: Python 3.10 and the lowest minor release of every range in
+  ``setup.cfg`` for Celery, kombu, redis-py, Django and SQLAlchemy (its
+  latest patch release: ``django>=4.2`` runs Django 4.2.x).
+- ``newest``: the newest Python found here and the newest release inside
+  every range.
+
+Interpreters are looked up on ``PATH`` (``python3.10``), then under pyenv's
+versions directory; a missing one falls back to the interpreter running nox,
+with a warning, so the matrix still runs, narrower.
+"""
+
+from __future__ import annotations
+
+import configparser
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+OLDEST_PYTHON = "3.10"
+#: newest first; the first one found is the "newest" session's Python
+NEWEST_PYTHONS = ("3.14", "3.13", "3.12")
+#: packages whose lowest supported minor the "oldest" session pins
+PINNED_OLDEST = ("celery", "kombu", "redis", "django", "sqlalchemy")
+
+CORE = (
+    "-p", "no:django",
+    "-m", "not (postgres or mysql or memcached or redis_cluster or rabbitmq)",
+    "tests/stores/test_conformance.py",
+    # "database is locked" is contention, not an outage (Python 3.10 has no
+    # sqlite_errorcode); the file's burst tests are left to the full suite.
+    "tests/stores/test_sql_contention.py::test_wait_that_never_ends_raises_store_contention",
+    "tests/stores/test_sql_contention.py::test_wait_that_ends_is_retried",
+    "tests/test_smoke_redis.py",
+    "tests/core/test_basic_worker.py",
+)  # fmt: skip
+DJANGO = (
+    "-p", "django", "--ds=tests.django.settings",
+    "tests/django/test_django_store.py",
+    "tests/django/test_store_race.py",
+    "tests/django/test_store_transactions.py",
+    "tests/django/test_store_connections.py",
+)  # fmt: skip
+
+nox.options.sessions = ["oldest", "newest"]
+nox.options.reuse_existing_virtualenvs = False
+nox.options.default_venv_backend = "venv"
+
+
+def _works(python: str) -> str | None:
+    """``python``'s version (major.minor) if it runs, else ``None``."""
+    try:
+        out = subprocess.run(
+            [python, "-c", "import sys, venv; print('%d.%d' % sys.version_info[:2])"],
+            capture_output=True, text=True, timeout=30, check=True,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip()
+
+
+def find_python(version: str) -> str | None:
+    """An interpreter of ``version`` (``"3.10"``) that runs, or ``None``."""
+    on_path = shutil.which(f"python{version}")
+    pyenv = Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv") / "versions"
+    installed = sorted(
+        pyenv.glob(f"{version}.*"),
+        key=lambda p: [int(n) for n in re.findall(r"\d+", p.name)],
+        reverse=True,
+    )
+    candidates = [*([on_path] if on_path else []), *(str(p / "bin" / "python") for p in installed)]
+    return next((c for c in candidates if _works(c) == version), None)
+
+
+def pick(versions: tuple[str, ...], role: str) -> str:
+    """The first of ``versions`` found here, else this interpreter (with a warning)."""
+    for version in versions:
+        found = find_python(version)
+        if found:
+            return found
+    print(
+        f"WARNING: no Python {' or '.join(versions)} found for the {role} session; "
+        f"using {sys.executable} ({sys.version.split()[0]}): the matrix is narrower",
+        file=sys.stderr,
+    )
+    return sys.executable
+
+
+def lowest_minors() -> list[str]:
+    """``name==X.Y.*`` for each of PINNED_OLDEST, from the lower bounds in setup.cfg."""
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    text = cfg["options"]["install_requires"] + cfg["options.extras_require"]["test"]
+    pins: dict[str, str] = {}
+    for line in text.splitlines():
+        match = re.match(r"\s*([A-Za-z0-9_.-]+)(?:\[[^]]*\])?\s*([^#]*)", line)
+        if not match:
+            continue
+        name, spec = match.group(1).lower(), match.group(2)
+        lower = re.search(r">=\s*(\d+)\.(\d+)", spec)
+        if name in PINNED_OLDEST and lower:
+            pins[name] = f"{name}=={lower.group(1)}.{lower.group(2)}.*"
+    missing = set(PINNED_OLDEST) - set(pins)
+    if missing:
+        raise RuntimeError(f"setup.cfg states no lower bound for {sorted(missing)}")
+    return [pins[name] for name in PINNED_OLDEST]
+
+
+def run_subset(session: nox.Session) -> None:
+    """Show the versions under test, then run both subsets; fail if either failed."""
+    session.run(
+        "python", "-c",
+        "import sys, celery, kombu, redis, django, sqlalchemy; "
+        "print('under test: Python', sys.version.split()[0], '| celery', celery.__version__, "
+        "'| kombu', kombu.__version__, '| redis-py', redis.__version__, "
+        "'| Django', django.__version__, '| SQLAlchemy', sqlalchemy.__version__)",
+    )  # fmt: skip
+    failures = []
+    for name, args in (("core", CORE), ("django", DJANGO)):
+        try:
+            session.run("python", "-m", "pytest", "-q", *args, *session.posargs)
+        except nox.command.CommandFailed:
+            failures.append(name)
+    if failures:
+        session.error(f"the {' and '.join(failures)} subset failed")
+
+
+@nox.session(python=pick((OLDEST_PYTHON,), "oldest"))
+def oldest(session: nox.Session) -> None:
+    """Python 3.10 with the lowest minor of Celery, kombu, redis-py, Django, SQLAlchemy."""
+    constraints = Path(session.create_tmp()) / "oldest.txt"
+    constraints.write_text("\n".join(lowest_minors()) + "\n")
+    session.log(f"pinned: {', '.join(lowest_minors())}")
+    session.install("-c", str(constraints), ".[test]")
+    run_subset(session)
+
+
+@nox.session(python=pick(NEWEST_PYTHONS, "newest"))
+def newest(session: nox.Session) -> None:
+    """The newest Python found here with the newest release inside every range."""
+    session.install(".[test]")
+    run_subset(session)
