@@ -135,7 +135,7 @@ def test_check_fails_on_an_unreachable_store(dead_app: Celery) -> None:
     assert result.exit_code == 1, result.output
     assert "ERROR redis store at redis://:**@127.0.0.1" in result.output
     assert "hunter2" not in result.output
-    assert "demo.sync  success" in result.output
+    assert any(line.split()[:2] == ["demo.sync", "success"] for line in result.output.splitlines())
     assert "deduplication is NOT working" in result.output
 
 
@@ -150,7 +150,8 @@ def test_check_passes_and_lists_each_task(monkeypatch: pytest.MonkeyPatch) -> No
                for line in lines), result.output
     assert "deduplication is working" in result.output
     plans = {plan.name: plan for plan in task_plans(app)}
-    assert set(plans) == {SLOW, SYNC} and plans[SYNC].unique_for == 600
+    # (Tasks other test modules define with Celery's default ``shared=True`` join every app.)
+    assert {SLOW, SYNC} <= set(plans) and plans[SYNC].unique_for == 600
 
 
 def test_check_flags_dedup_options_on_a_plain_task(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from .base import Claim, ClaimOutcome, Lock, LockMeta, RevokeOutcome
+from .base import RECORD_POLICIES, Claim, ClaimOutcome, Lock, LockMeta, RevokeOutcome
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -174,13 +174,15 @@ class MemoryStore:
             return self._live(key, self.clock())
 
     def scan(self, prefix: str) -> Iterator[Lock]:
-        """Every live lock under ``prefix`` (a snapshot)."""
+        """Every live lock under ``prefix`` (a snapshot; run records are not locks)."""
         with self._mutex:
             now = self.clock()
             locks = [
                 lock
                 for key in list(self._locks)
-                if key.startswith(prefix) and (lock := self._live(key, now)) is not None
+                if key.startswith(prefix)
+                and (lock := self._live(key, now)) is not None
+                and lock.policy not in RECORD_POLICIES
             ]
         yield from locks
 
