@@ -429,9 +429,7 @@ def _defer(
     """
     from celery.app.task import Task
 
-    countdown = (
-        lease / 3.0 if lease is not None else min(1.0 * 2 ** int(request.retries or 0), 30.0)
-    )
+    countdown = lease / 3.0 if lease is not None else 1.0
     logger.info(
         "celery-dedup: %s[%s] deferred by %.1fs (lock %s: %s)",
         task.name,
@@ -439,6 +437,13 @@ def _defer(
         countdown,
         short(key),
         reason,
+    )
+    task_skipped.send(
+        sender=task,
+        key=key,
+        task_id=request.id,
+        existing_task_id=request.id,
+        reason=f"deferred: {reason}",
     )
     sig = task.signature_from_request(request, args, kwargs, countdown=countdown)
     options = dict(sig.options)

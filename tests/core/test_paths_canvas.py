@@ -7,6 +7,8 @@ written by the task bodies (``Runs``).
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,8 +27,8 @@ from celery_dedup import (
     enqueue_many,
     inspect_lock,
 )
-from celery_dedup.signals import lock_acquired
-from tests.fixtures._servers import running, stop
+from celery_dedup.signals import lock_acquired, task_skipped
+from tests.fixtures._servers import running
 from tests.fixtures.redis import RedisServer, start_redis
 
 from .conftest import AppFactory, wait_until
@@ -258,27 +260,48 @@ def test_closed_fallback_never_fails_the_parent(
     lock_server: tuple[str, Any],
     dedup_warnings: list[str],
 ) -> None:
-    """``dedup_fallback="closed"``, lock store stopped after the parents were published: each
-    parent is SUCCESS, its child (``delay`` in the body) and its chain step ran, unlocked."""
+    """``dedup_fallback="closed"``: while the lock store is stalled a producer refuses, a
+    worker defers its messages (never fails them), and a parent whose body publishes a child
+    while the store stalls is SUCCESS, its child published unlocked; all run once."""
     url, proc = lock_server
-    app = app_factory("closed", dedup_store=url, dedup_fallback="closed")
+    app = app_factory(
+        "closed",
+        dedup_store=url + "?socket_timeout=0.5&socket_connect_timeout=0.5",
+        dedup_fallback="closed",
+    )
     first, then = steps(app, runs, "closed")
 
     @app.task(base=DedupTask, shared=False, name="closed.charge", unique_for=30)
     def charge(x: int) -> int:
         runs.record(["charge", x])
-        first.delay(x)
+        os.kill(proc.pid, signal.SIGSTOP)  # the store stalls while the parent runs
+        try:
+            first.delay(x)
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
         return x
 
+    deferred: list[str] = []
+
+    def on_skip(sender: Any = None, reason: str = "", **_: Any) -> None:
+        if reason.startswith("deferred"):
+            deferred.append(reason)
+
+    task_skipped.connect(on_skip, weak=False)
     charged = charge.delay(1)
     flow = chain(charge.s(2), then.s()).apply_async()
-    stop(proc)
-    with pytest.raises(DeduplicationUnavailable):
-        charge.delay(3)  # a producer outside a worker still refuses
-
-    worker_for(app)
-    assert charged.get(timeout=20) == 1 and charged.state == states.SUCCESS
-    assert flow.get(timeout=20) == 20
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(DeduplicationUnavailable):
+            charge.delay(3)  # a producer outside a worker refuses
+        worker_for(app)
+        wait_until(lambda: len(deferred) >= 2, 20)  # both parents wait for the store
+        assert runs.all() == [] and charged.state == states.PENDING  # waits, never fails
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        task_skipped.disconnect(on_skip)
+    assert charged.get(timeout=30) == 1 and charged.state == states.SUCCESS
+    assert flow.get(timeout=30) == 20
     wait_until(lambda: len(runs.all()) == 5, timeout=20)
     assert sorted(runs.all()) == [
         ["charge", 1],
