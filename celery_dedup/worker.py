@@ -452,6 +452,11 @@ def _defer(
     if header is not None:
         headers[HEADER] = header.encode()
     headers.pop(runs.DELIVERY_FIELD, None)
+    token = getattr(request, runs.DELIVERY_FIELD, None)
+    if lease is None and token:
+        # The store did not answer: the lease may still land (a stalled server
+        # runs the command later). The same delivery owns it when it comes back.
+        headers[runs.DELIVERY_FIELD] = token
     options["headers"] = headers
     plain: Any = task  # the message as it was: Celery's own publish, no new lock
     Task.apply_async(plain, args, kwargs, **options)
@@ -712,7 +717,8 @@ def _give_delivery_token(task: DedupTaskLike, request: Any) -> None:
         return
     if store is None:
         return
-    token = request_dict[runs.DELIVERY_FIELD] = new_token()
+    # A message deferred because the store did not answer keeps its token.
+    token = request_dict[runs.DELIVERY_FIELD] = request_dict.get(runs.DELIVERY_FIELD) or new_token()
     run = RunRef(header.key, header.owner(str(request.id)), runs.attempt_of(request_dict), token)
     leases.remember(request, store, run, runtime.settings.lease_ttl)
 
