@@ -46,7 +46,7 @@ from .signals import (
 from .stores.base import Lock, RevokeOutcome
 from .task import DedupTask
 
-__version__ = "0.1.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "DedupError",
