@@ -108,16 +108,32 @@ class ScriptWire:
             connection.disconnect()
 
 
+class _NotRetried(Exception):
+    """Carries an error the connection's retry must not retry (see ``_call``)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(error)
+        self.error = error
+
+
 def _call(connection: Any, command: tuple[Any, ...]) -> Any:
     def send() -> Any:
-        _ready(connection)
-        connection.send_command(*command)
-        return connection.read_response()
+        try:
+            _ready(connection)
+            connection.send_command(*command)
+            return connection.read_response()
+        except Exception as exc:
+            if not _retryable(exc):
+                # (redis-py 6.4's call_with_retry takes no is_retryable: an error
+                # outside the retried classes is how it is told not to retry.)
+                raise _NotRetried(exc) from exc
+            raise
 
     try:
-        return connection.retry.call_with_retry(
-            send, lambda _error: connection.disconnect(), is_retryable=_retryable
-        )
+        try:
+            return connection.retry.call_with_retry(send, lambda _error: connection.disconnect())
+        except _NotRetried as wrapped:
+            raise wrapped.error from wrapped.error.__cause__
     except ResponseError:
         raise  # the server answered: the connection is in a clean state
     except BaseException:
