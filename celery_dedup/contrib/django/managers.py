@@ -175,7 +175,10 @@ class LockQueries:
         records = ", ".join(f"'{policy}'" for policy in sorted(RECORD_POLICIES))
         self.is_lock = f"{self.col['policy']} NOT IN ({records})"
         self.is_record = f"{self.col['policy']} IN ({records})"
-        self.live_lock = f"{key} = %s AND {exp} > {self.now} AND {self.is_lock}"
+        # Run records are operated on as locks (their own keys); revoked markers never.
+        self.live_lock = (
+            f"{key} = %s AND {exp} > {self.now} AND {self.col['policy']} <> '{REVOKED_POLICY}'"
+        )
         self.for_update = " FOR UPDATE" if connection.features.has_select_for_update else ""
 
     @cached_property
