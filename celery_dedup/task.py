@@ -48,6 +48,7 @@ from .options import (
 )
 from .policy import UniqueUntil, lock_ttl
 from .results import DeduplicatedResult, mark_result
+from .runs import DELIVERY_FIELD
 from .runtime import Runtime, runtime_for
 from .signals import lock_acquired, lock_replaced, task_deduplicated
 from .stores.base import Lock, LockStore
@@ -369,7 +370,11 @@ class DedupTask(_Task):
         config = self.dedup_config()
 
         def publish(task_id: str, header: LockHeader) -> Any:
-            options["headers"] = {**(options.get("headers") or {}), HEADER: header.encode()}
+            headers = {**(options.get("headers") or {}), HEADER: header.encode()}
+            # A retry or replace copies the running request's headers: the
+            # worker's delivery token belongs to that delivery only.
+            headers.pop(DELIVERY_FIELD, None)
+            options["headers"] = headers
             return super(DedupTask, self).apply_async(
                 cast(Any, args),
                 cast(Any, kwargs),
