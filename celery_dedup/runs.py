@@ -51,6 +51,9 @@ __all__ = [
 #: The field a worker adds to a received message's request: its delivery token.
 DELIVERY_FIELD = "dedup_delivery"
 
+#: Appended to the delivery token to own a done marker (``StoreRuns``).
+DONE_SUFFIX = "!done"
+
 
 def attempt_of(request: Any) -> str:
     """An attempt's name: its retry count and replacement depth (copies share both).
@@ -108,8 +111,15 @@ class StoreRuns:
     def end_run(
         self, run: RunRef, done_ttl: float, meta: LockMeta, *, release: bool | None
     ) -> bool:
-        """Write the done marker (one round trip), then release or settle (another)."""
-        self.store.take_over(run.record, run.token, done_ttl, _record_meta(meta, DONE_POLICY))
+        """Write the done marker (one round trip), then release or settle (another).
+
+        The marker is owned by ``token + DONE_SUFFIX``, not by the token: a
+        renewal or a give-up of the lease that lands after the end (the
+        worker's main process races the pool child) can neither shorten nor
+        delete it.
+        """
+        done_meta = _record_meta(meta, DONE_POLICY)
+        self.store.take_over(run.record, run.token + DONE_SUFFIX, done_ttl, done_meta)
         if release is None:
             return False
         if release:

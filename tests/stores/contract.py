@@ -520,6 +520,23 @@ class StoreContract:
         outcome, _ = runs.claim_run(stranger, 30, META, release=False, ttl=None)
         assert outcome is RunOutcome.RUNNING
 
+    def test_run_late_renew_or_abandon_keeps_the_done_marker(
+        self, store_case: StoreCase
+    ) -> None:
+        """The main process may renew or give up a lease just after the run ended: no effect."""
+        store = store_case.store
+        runs = records_of(store)
+        run = RunRef("run:i", "owner-a", "0.0", "copy-1")
+        runs.claim_run(run, 30, META, release=False, ttl=60)
+        runs.end_run(run, 30, META, release=True)
+        assert runs.renew_runs([run], 1) == 0
+        assert runs.abandon_run(run) is False
+        time.sleep(2.2)  # past the renewal's 1 s, had it applied (memcached: whole seconds)
+        outcome, claim = runs.claim_run(
+            RunRef("run:i", "owner-a", "0.0", "copy-2"), 30, META, release=False, ttl=60
+        )
+        assert (outcome, claim) == (RunOutcome.DONE, None)
+
     def test_run_revoked_owner_begins_but_is_refused(self, store_case: StoreCase) -> None:
         """The revoked marker is still consulted: the claim inside claim_run answers REVOKED."""
         store = store_case.store
