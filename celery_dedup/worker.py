@@ -568,8 +568,12 @@ def _defer_to_pending_replacement(
         holder = holder or store.get(key)
     except StoreError:
         return
-    if holder is None or holder.owner == owner or holder.started:
+    if holder is None or holder.started:
         return
+    if holder.owner == owner:
+        # The replacing publish failed and gave the key back meanwhile: this
+        # message owns it again, so it comes back to claim it (never skipped).
+        raise task.retry(countdown=0, max_retries=int(task.request.retries or 0) + 1)
     retries = int(task.request.retries or 0)
     logger.info(
         "celery-dedup: %s[%s] waits for its replacement %s to start (lock %s)",

@@ -463,7 +463,9 @@ def settle(side: Side, result: Any, messages: Callable[[], int], timeout: float)
         ) if result is not None else True
         if counts[0] >= counts[1] and ready:
             if counts == last and stable_since is not None:
-                if time.monotonic() - stable_since > 0.3:
+                # Longer than the scenarios' 0.3 s retry delay: a retry still
+                # to come must not land in the next scenario's capture.
+                if time.monotonic() - stable_since > 0.8:
                     return True
             else:
                 stable_since = time.monotonic()
