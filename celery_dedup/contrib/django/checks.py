@@ -316,10 +316,13 @@ def check_store(
         return []
     app = _app()
     try:
-        if app is None or derive_store_url(app) is None:
-            return []  # no store at all is E014's
+        url = derive_store_url(app) if app is not None else None
     except Exception:  # an invalid dedup_store is reported by E001/E009
         return []
+    if app is None or url is None:
+        return []  # no store at all is E014's
+    if split_url(url)[0] == "django-db" and not _lock_table_exists(url):
+        return []  # `migrate` (which runs this check first) creates it
     from ...startup import probe_store
 
     probe = probe_store(app)
@@ -332,6 +335,21 @@ def check_store(
         "derived from); `manage.py dedup_locks check` shows what each task would use.",
         id=E_STORE_UNUSABLE,
     )]
+
+
+def _lock_table_exists(url: str) -> bool:
+    """Whether the django-db store's table exists yet in its database."""
+    from django.db import connections
+
+    from .models import DedupLock
+
+    alias = url.partition("://")[2] or "default"
+    try:
+        with connections[alias].cursor() as cursor:
+            tables = connections[alias].introspection.table_names(cursor)
+    except Exception:  # an unreachable database: let the probe say so
+        return True
+    return bool(DedupLock._meta.db_table in tables)
 
 
 def check_tasks(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
