@@ -517,12 +517,7 @@ class DedupTask(_Task):
         lock_acquired.send(
             sender=self, key=key, task_id=task_id, ttl=ttl, policy=header.until.value
         )
-        try:
-            result = self._publish_locked(store, key, task_id, header, publish)
-        except BaseException:
-            if previous is not None:
-                self._restore(store, key, previous)
-            raise
+        result = self._publish_locked(store, key, task_id, header, publish, previous)
         if previous is not None:
             self._revoke_replaced(key, task_id, previous)
         return mark_result(result, key, owner)
@@ -616,10 +611,29 @@ class DedupTask(_Task):
         store.revoke(key, previous.owner, revoked_ttl)
         return previous
 
-    def _restore(self, store: LockStore, key: str, previous: Lock) -> None:
-        """A replacing publish failed: give the key back to the previous holder."""
+    def _restore(
+        self, store: LockStore, key: str, previous: Lock, release: Callable[[], Any]
+    ) -> None:
+        """A replacing publish failed: give the key back to the previous holder.
+
+        The previous holder's revoked marker goes first, then ``release``
+        frees this call's lock, then the key is taken for the previous
+        holder: a start claim landing in between finds it held (and waits) or
+        free and unrevoked (and runs), never revoked with the key free.
+        """
         try:
             store.unrevoke(key, previous.owner)
+        except StoreError as exc:
+            logger.warning(
+                "celery-dedup: could not restore the lock of %s[%s] after a failed replace: %s",
+                self.name,
+                previous.task_id,
+                exc,
+            )
+            release()
+            return
+        release()
+        try:
             meta = {
                 "task_name": previous.task_name,
                 "policy": previous.policy,
@@ -651,20 +665,30 @@ class DedupTask(_Task):
         task_id: str,
         header: LockHeader,
         publish: Callable[[str, LockHeader], Any],
+        previous: Lock | None = None,
     ) -> Any:
         """Publish; if publishing raises, release the lock just taken and re-raise.
 
         An eager call runs its body inside ``publish()``: its own hooks apply
         the policy once the body started, so only a call that raised before
         its body ran (wrong arity, an unserialisable argument) releases here.
+        A replacing call gives the key back to the ``previous`` holder.
         """
         owner = header.owner(task_id)
         try:
             return publish(task_id, header)
         except BaseException:
             # (Only an eager call's body can have started: no conf lookup needed.)
-            if not worker.eager_body_started(owner):
-                worker.release(self, store, key, owner, task_id, "publish_failed")
+            started = worker.eager_body_started(owner)
+
+            def release() -> None:
+                if not started:
+                    worker.release(self, store, key, owner, task_id, "publish_failed")
+
+            if previous is None:
+                release()
+            else:
+                self._restore(store, key, previous, release)
             raise
         finally:
             worker.eager_body_started(owner)

@@ -482,11 +482,6 @@ def test_failed_replace_gives_the_key_back(
     assert runs.labels() == ["v1"]
 
 
-@pytest.mark.xfail(
-    reason="open race, see CHANGES 'Known issues': on some environments the previous holder "
-    "is skipped as revoked while the replacing publish is still failing",
-    strict=False,
-)
 def test_slowly_failing_replace_does_not_lose_the_previous_holder(
     app_factory: AppFactory, worker_for: Any, runs: Runs, skips: list[tuple[str, str]]
 ) -> None:
