@@ -123,12 +123,16 @@ class Capture:
 
         def observed(producer: Any, *args: Any, **kwargs: Any) -> Any:
             given = parameters.bind(producer, *args, **kwargs).arguments
+            at = time.time()
+            # kombu's publish retry calls ``_publish`` again after a connection
+            # error: only an attempt that returned reached the broker.
+            sent = original(producer, *args, **kwargs)
             headers = given.get("headers")
             if isinstance(headers, Mapping) and "task" in headers:
                 exchange, declare = given.get("exchange"), given.get("declare")
                 with capture.lock:
                     capture.messages.append(Published(
-                        at=time.time(),
+                        at=at,
                         body=given["body"],
                         content_type=given["content_type"],
                         content_encoding=given["content_encoding"],
@@ -140,7 +144,7 @@ class Capture:
                         priority=given.get("priority"),
                         retry_policy=given.get("retry_policy"),
                     ))
-            return original(producer, *args, **kwargs)
+            return sent
 
         with mock.patch.object(Producer, "_publish", observed):
             yield self
