@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 from .stores.base import (
     DONE_POLICY,
@@ -64,10 +64,18 @@ def attempt_of(request: Any) -> str:
     return f"{get('retries', None) or 0}.{get('replaced_task_nesting', None) or 0}"
 
 
+#: Whether a store class keeps run records natively, decided once per class
+#: (a protocol ``isinstance`` walks every member on each call).
+_NATIVE: dict[type, bool] = {}
+
+
 def records_of(store: LockStore) -> RunRecords:
     """The run records of ``store``: its own, or built from its lock operations."""
-    if isinstance(store, RunRecords):
-        return store
+    native = _NATIVE.get(type(store))
+    if native is None:
+        native = _NATIVE[type(store)] = isinstance(store, RunRecords)
+    if native:
+        return cast(RunRecords, store)
     return StoreRuns(store)
 
 
