@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import random
 import threading
 import time
 import zlib
@@ -323,6 +324,11 @@ class _GenericCacheLocks(CacheLocks):
             # Every LocMemCache of one LOCATION shares this dict in the process.
             self._exclusive = lambda: _process_lock("locmem", id(cache_._cache))
             self.guarantee = CacheGuarantee.ATOMIC_IN_PROCESS
+        elif isinstance(cache_, DatabaseCache):
+            # Threads of one process take turns (Django's ``add`` reports a
+            # write lost to a concurrent one as "present", which the read after
+            # it then contradicts); across processes it stays best effort.
+            self._exclusive = lambda: _process_lock("database", cache_._table)
         elif isinstance(cache_, FileBasedCache) and os.name == "posix":
             self._exclusive = lambda: _directory_lock(cache_._dir)
             self.guarantee = CacheGuarantee.ATOMIC_ON_HOST
@@ -362,28 +368,49 @@ class _GenericCacheLocks(CacheLocks):
             return max(seconds, 0.001)
         return expiry_for(seconds)
 
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``self.cache.method(...)``; a database cache's lost race is run again.
+
+        Each cache call is its own transaction, rolled back when it loses (an
+        SQLite writer upgrading a read snapshot, a deadlock): running it again
+        is safe, and contention is never an outage.
+        """
+        if not self._whole_seconds:
+            return getattr(self.cache, method)(*args, **kwargs)
+        from ..contrib.django.managers import is_contention
+        from .django import BACKOFF_CAP, CONTENTION_ATTEMPTS
+
+        for attempt in range(CONTENTION_ATTEMPTS):
+            try:
+                return getattr(self.cache, method)(*args, **kwargs)
+            except Exception as exc:
+                if attempt == CONTENTION_ATTEMPTS - 1 or not is_contention(exc):
+                    raise
+            time.sleep(random.uniform(0, min(BACKOFF_CAP, 0.002 * 2**attempt)))
+        raise AssertionError("unreachable")  # pragma: no cover
+
     def _read(self, physical: str, *others: str) -> tuple[Slot, set[str]]:
         if not others:
-            return Slot(physical, self.cache.get(physical), None), set()
-        found = self.cache.get_many([physical, *others])
+            return Slot(physical, self._call("get", physical), None), set()
+        found = self._call("get_many", [physical, *others])
         return Slot(physical, found.get(physical), None), set(found) - {physical}
 
     def _add(self, physical: str, value: str, seconds: float) -> bool:
-        return bool(self.cache.add(physical, value, timeout=self._timeout(seconds)))
+        return bool(self._call("add", physical, value, timeout=self._timeout(seconds)))
 
     def _cas(self, slot: Slot, value: str | None, seconds: float) -> bool:
         # No compare here: the read that decided this write is the check.
         if value is None:
-            self.cache.delete(slot.physical)
+            self._call("delete", slot.physical)
         else:
-            self.cache.set(slot.physical, value, timeout=self._timeout(seconds))
+            self._call("set", slot.physical, value, timeout=self._timeout(seconds))
         return True
 
     def _set(self, physical: str, value: str, seconds: float) -> None:
-        self.cache.set(physical, value, timeout=self._timeout(seconds))
+        self._call("set", physical, value, timeout=self._timeout(seconds))
 
     def _delete(self, physical: str) -> None:
-        self.cache.delete(physical)
+        self._call("delete", physical)
 
     def scan(self, prefix: str) -> Iterator[Lock]:
         """Every live lock under ``prefix``, read through the backend's own storage.
