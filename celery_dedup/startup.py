@@ -42,9 +42,11 @@ from kombu.utils.url import maybe_sanitize_url
 
 from .events import warn_if_events_off
 from .identity import lock_key
+from .lint import Finding, TaskFacts, app_facts, lint_config, lint_server, task_facts
 from .options import DedupConfigWarning
 from .runtime import runtime_for
 from .stores import derive_store_url
+from .stores.base import Durability, DurabilityReport
 from .task import DedupTask
 
 if TYPE_CHECKING:
@@ -58,8 +60,11 @@ __all__ = [
     "TaskPlan",
     "check_worker_start",
     "dedup_tasks",
+    "lint_app",
+    "lint_tasks",
     "plain_tasks_with_options",
     "probe_store",
+    "store_durability",
     "task_plans",
     "warn_plain_task_options",
 ]
@@ -260,6 +265,65 @@ def task_plans(app: Celery) -> list[TaskPlan]:
     return plans
 
 
+# -- the settings lint --------------------------------------------------------------
+
+
+def store_durability(app: Celery, timeout: float = PROBE_TIMEOUT) -> Durability | None:
+    """Ask ``app``'s store's server whether it keeps keys until their TTL; never raises.
+
+    ``None`` when the store cannot be asked at all (no ``DurabilityReport``).
+    The answer is kept for the settings lint of each task's first call.
+    """
+    outcome: list[Durability | None] = []
+
+    def run() -> None:
+        try:
+            store = runtime_for(app).store
+            outcome.append(store.durability() if isinstance(store, DurabilityReport) else None)
+        except Exception as exc:  # the answer is "cannot tell", in words
+            outcome.append(Durability(None, None, None, f"{type(exc).__name__}: {exc}"))
+
+    thread = threading.Thread(target=run, name="celery-dedup-durability", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    found = outcome[0] if outcome else Durability(
+        None, None, None, f"no answer within {timeout:g} s")
+    runtime_for(app).durability = found
+    return found
+
+
+def lint_tasks(app: Celery) -> list[TaskFacts]:
+    """``TaskFacts`` of each ``DedupTask`` of ``app`` whose options are valid.
+
+    A task whose options are invalid is left out: ``task_plans`` (and the
+    option checks) report its error.
+    """
+    tasks = []
+    for task in dedup_tasks(app):
+        try:
+            tasks.append(task_facts(task))
+        except Exception:  # an invalid option is reported by task_plans
+            continue
+    return tasks
+
+
+def lint_app(
+    app: Celery, *, ask_server: bool = True, timeout: float = PROBE_TIMEOUT
+) -> list[Finding]:
+    """The settings lint of every ``DedupTask`` of ``app`` (``celery_dedup.lint``).
+
+    With ``ask_server`` the store's server is asked too (one round trip, at
+    most ``timeout`` seconds).
+    """
+    facts = app_facts(app)
+    tasks = lint_tasks(app)
+    found = lint_config(facts, tasks)
+    if ask_server:
+        found += lint_server(facts, tasks, store_durability(app, timeout))
+    runtime_for(app).linted.update(["", *(task.name for task in tasks)])
+    return found
+
+
 # -- dedup options where nothing reads them ----------------------------------------
 
 
@@ -352,9 +416,15 @@ def check_worker_start(app: Celery, worker: Any = None) -> StoreProbe | None:
     warn_if_events_off(bool(getattr(worker, "task_events", False)),
                        runtime_for(app).settings.send_events)
     probe = probe_store(app)
+    found = lint_app(app, ask_server=probe.ok)
+    for finding in found:
+        logger.warning("%s", finding.line())
     if probe.ok:
         logger.info("celery-dedup: %s", probe.describe())
         verdict = f"[celery-dedup] {len(tasks)} task(s), {probe.describe()}"
+        if found:
+            ids = ", ".join(sorted({finding.id for finding in found}))
+            verdict += f"\n[celery-dedup] settings lint: {ids} (see the log)"
     else:
         names = ", ".join(task.name for task in tasks[:5])
         more = f" and {len(tasks) - 5} more" if len(tasks) > 5 else ""
