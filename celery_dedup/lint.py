@@ -174,7 +174,7 @@ def _seconds(value: Any) -> float | None:
 
 def app_facts(app: Any) -> AppFacts:
     """Read ``AppFacts`` from a Celery app (no server is asked)."""
-    from .runtime import visibility_timeout
+    from .runtime import broker_redelivers, visibility_timeout
 
     conf = app.conf
     try:
@@ -190,7 +190,7 @@ def app_facts(app: Any) -> AppFacts:
         backend = str(settings.CACHES.get(alias, {}).get("BACKEND", ""))
     return AppFacts(
         store_url=url,
-        visibility_timeout=visibility_timeout(conf),
+        visibility_timeout=visibility_timeout(conf) if broker_redelivers(conf) else 0.0,
         result_expires=_seconds(expires) or None,
         reaper=_REAPER in app.tasks,
         silenced=validate_lint_ids(conf.get("dedup_silenced_warnings")),
@@ -264,7 +264,7 @@ def _task_rules(app: AppFacts, task: TaskFacts) -> Iterator[Finding]:
                        f"({_g(vt)}): a run still going is delivered again to another worker",
                        task.name)
     expires = app.result_expires
-    if (app.reaper and expires is not None and task.unique_until is not UniqueUntil.EXPIRY
+    if (app.reaper and expires is not None and holds_through_run
             and not task.ignore_result and expires < task.unique_for):
         yield _finding("W108", f"result_expires ({_g(expires)}) is shorter than unique_for "
                        f"({_g(task.unique_for)}) and the reaper (celery_dedup.reap) frees "

@@ -39,6 +39,7 @@ __all__ = [
     "Runtime",
     "invalidate_all",
     "reset_runtime",
+    "broker_redelivers",
     "runtime_for",
     "visibility_timeout",
 ]
@@ -66,6 +67,7 @@ WATCHED_SETTINGS = (
     "dedup_revoked_ttl",
     "dedup_lease_ttl",
     "dedup_done_ttl",
+    "dedup_silenced_warnings",
     "broker_transport_options",
     "task_send_sent_event",
     "worker_send_task_events",
@@ -126,6 +128,8 @@ class AppSettings:
     #: the broker URL's scheme (``sqs``, ``redis``, ``amqp``…)
     broker_scheme: str = ""
     store_options: dict[str, Any] = field(default_factory=dict)
+    #: settings-lint ids silenced app-wide (``dedup_silenced_warnings``)
+    silenced_warnings: frozenset[str] = frozenset()
 
     @classmethod
     def from_conf(cls, conf: Any) -> AppSettings:
@@ -148,6 +152,7 @@ class AppSettings:
             native=read_setting(conf, "dedup_native"),
             broker_scheme=str(conf.get("broker_url") or "").split(";")[0].partition("://")[0],
             store_options=dict(conf.get("dedup_store_options") or {}),
+            silenced_warnings=read_setting(conf, "dedup_silenced_warnings"),
         )
 
 
@@ -318,6 +323,11 @@ class Runtime:
 #: Transports that redeliver a message nobody acknowledged within
 #: ``visibility_timeout`` (kombu's default for them is one hour).
 _REDELIVERING = frozenset({"redis", "rediss", "redis+socket", "sentinel", "sqs", "gcpubsub"})
+
+
+def broker_redelivers(conf: Any) -> bool:
+    """Whether the broker delivers an unacknowledged message again after ``visibility_timeout``."""
+    return str(conf.get("broker_url") or "").split(";")[0].partition("://")[0] in _REDELIVERING
 
 
 def visibility_timeout(conf: Any) -> float:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import secrets
 import sys
 import threading
@@ -41,6 +42,7 @@ from celery.signals import before_task_publish, celeryd_after_setup, worker_init
 from kombu.utils.url import maybe_sanitize_url
 
 from .events import warn_if_events_off
+from .exceptions import InvalidOptionError
 from .identity import lock_key
 from .lint import Finding, TaskFacts, app_facts, lint_config, lint_server, task_facts
 from .options import DedupConfigWarning
@@ -165,6 +167,18 @@ def dedup_tasks(app: Celery) -> list[DedupTask]:
     return sorted(found, key=lambda task: task.name)
 
 
+def masked_url(url: str) -> str:
+    """``url`` with its password masked, also when kombu cannot parse it.
+
+    A memcached URL naming several servers (``memcached://h1:1;h2:2``) has
+    no single port, which kombu's parser refuses.
+    """
+    try:
+        return str(maybe_sanitize_url(url))
+    except ValueError:
+        return re.sub(r"(//[^:/@;]*):[^@/;]*@", r"\1:**@", url)
+
+
 def probe_store(app: Celery, timeout: float = PROBE_TIMEOUT) -> StoreProbe:
     """Take and release one lock on ``app``'s store; never raises.
 
@@ -173,7 +187,7 @@ def probe_store(app: Celery, timeout: float = PROBE_TIMEOUT) -> StoreProbe:
     firewall that drops packets never answers).
     """
     url = derive_store_url(app)
-    shown = maybe_sanitize_url(url) if url else None
+    shown = masked_url(url) if url else None
     outcome: list[StoreProbe] = []
 
     def run() -> None:
@@ -246,7 +260,7 @@ def _fallback_effect(app: Celery, probe: StoreProbe) -> str:
 def task_plans(app: Celery) -> list[TaskPlan]:
     """What each registered ``DedupTask`` would use: store, policy, TTL; never raises."""
     url = derive_store_url(app)
-    store = maybe_sanitize_url(url) if url else "none"
+    store = masked_url(url) if url else "none"
     plans = []
     for task in dedup_tasks(app):
         try:
@@ -315,7 +329,10 @@ def lint_app(
     With ``ask_server`` the store's server is asked too (one round trip, at
     most ``timeout`` seconds).
     """
-    facts = app_facts(app)
+    try:
+        facts = app_facts(app)
+    except InvalidOptionError:  # reported by the option checks and task_plans
+        return []
     tasks = lint_tasks(app)
     found = lint_config(facts, tasks)
     if ask_server:
