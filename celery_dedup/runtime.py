@@ -37,9 +37,9 @@ __all__ = [
     "WATCHED_SETTINGS",
     "AppSettings",
     "Runtime",
+    "broker_redelivers",
     "invalidate_all",
     "reset_runtime",
-    "broker_redelivers",
     "runtime_for",
     "visibility_timeout",
 ]

@@ -21,6 +21,7 @@ import pytest
 from celery import Celery
 from celery.bin.celery import celery
 from celery.contrib.testing.worker import start_worker
+from celery.utils import uuid
 from click.testing import CliRunner
 
 from celery_dedup import DedupTask
@@ -28,6 +29,7 @@ from celery_dedup.exceptions import InvalidOptionError
 from celery_dedup.lint import RULES
 from celery_dedup.lint_calls import DedupLintWarning
 from celery_dedup.reaper import register_reaper
+from celery_dedup.runtime import runtime_for
 from tests.apps import cli_app
 from tests.fixtures.logs import DedupLog
 from tests.fixtures.memcached import MemcachedServer
@@ -50,8 +52,10 @@ def build(store: str, tasks: dict[str, dict[str, Any]], broker: str = "memory://
 
     def make() -> Celery:
         app = Celery("lint", broker=broker, backend="cache+memory://", set_as_current=False)
+        # A queue of its own: the in-memory broker is shared by the whole process.
         app.conf.update(dedup_store=store, broker_connection_retry_on_startup=True,
-                        worker_hijack_root_logger=False, **conf)
+                        worker_hijack_root_logger=False, task_default_queue=f"lint-{uuid()}",
+                        **conf)
         for name, options in tasks.items():
             app.task(base=DedupTask, name=name, shared=False, **options)(_body)
         if reaper:
@@ -102,8 +106,17 @@ def via_first_call(make: Make, **call: Any) -> Ids:
                 if isinstance(task, DedupTask):
                     task.apply_async(**call)
     finally:
+        _release_all(app)
         app.close()
     return _parse([str(w.message) for w in caught if w.category is DedupLintWarning])
+
+
+def _release_all(app: Celery) -> None:
+    """Free the locks the calls took (the memory store is shared by the whole process)."""
+    store = runtime_for(app).store
+    assert store is not None
+    for lock in list(store.scan("celery-dedup:")):
+        store.release(lock.key, lock.owner)
 
 
 def everywhere(make: Make, monkeypatch: pytest.MonkeyPatch, log: DedupLog) -> list[Ids]:
@@ -204,6 +217,7 @@ def test_w104_countdown_longer_than_the_visibility_timeout(redis_url: str) -> No
             for n in range(3):
                 app.tasks["t.w104"].apply_async((), countdown=120 + n)
     finally:
+        _release_all(app)
         app.close()
     assert [str(w.message)[:25] for w in caught if w.category is DedupLintWarning] == [
         "celery-dedup W104 (task t"]
@@ -344,7 +358,7 @@ def test_the_setting_silences_findings_app_wide(
 def test_invalid_silencing_is_refused_naming_it() -> None:
     """A string instead of a list, or an unknown id shape, is an InvalidOptionError."""
     app = build("memory://", {"t.bad": {"dedup_silenced": "W101"}})()
-    with pytest.raises(InvalidOptionError, match="t.bad.*dedup_silenced"):
+    with pytest.raises(InvalidOptionError, match=r"t\.bad.*dedup_silenced"):
         app.finalize()
     app.close()
     make = build("memory://", {"t.a": {}}, dedup_silenced_warnings=["W1O1"])

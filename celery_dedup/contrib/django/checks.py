@@ -54,7 +54,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from importlib.metadata import entry_points
-from typing import Any, Final
+from typing import Any, Final, cast
 
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Info, Warning
@@ -138,7 +138,9 @@ def _app() -> Any:
         current_app.conf.get("broker_url")
     except Exception:  # a broken Celery config is reported by Celery itself
         return None
-    return current_app
+    # The app itself, not the proxy: the probe runs in a thread of its own,
+    # where the proxy would resolve to the default app.
+    return cast(Any, current_app)._get_current_object()
 
 
 def _app_conf() -> Any:
