@@ -227,7 +227,7 @@ def task_facts(task: Any, *, retried: bool = False) -> TaskFacts:
         time_limit=_seconds(task.time_limit or conf.task_time_limit),
         soft_time_limit=_seconds(task.soft_time_limit or conf.task_soft_time_limit),
         acks_late=bool(acks_late),
-        retries=_retries(task) or ("a retry was seen" if retried else None),
+        retries=_retries(task) or ("it called retry()" if retried else None),
         ignore_result=bool(task.ignore_result),
         silenced=validate_lint_ids(getattr(task, "dedup_silenced", None), "dedup_silenced"),
     )

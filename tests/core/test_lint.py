@@ -31,6 +31,7 @@ from celery_dedup.lint_calls import DedupLintWarning
 from celery_dedup.reaper import register_reaper
 from celery_dedup.runtime import runtime_for
 from tests.apps import cli_app
+from tests.core.conftest import wait_until
 from tests.fixtures.logs import DedupLog
 from tests.fixtures.memcached import MemcachedServer
 from tests.fixtures.redis import RedisServer, redis_configured
@@ -373,3 +374,27 @@ def test_every_rule_has_a_fix_and_a_docs_entry() -> None:
     page = (Path(__file__).resolve().parents[2] / "docs" / "lint.md").read_text()
     for rule in RULES.values():
         assert f"`{rule.id}`" in page and rule.fix in page, rule.id
+
+
+def test_w102_a_retry_seen_at_run_time(dedup_log: DedupLog) -> None:
+    """A ``start`` task whose body calls ``self.retry()`` is reported at its first retry."""
+    app = build("memory://", {})()
+    runs: list[int] = []
+
+    @app.task(base=DedupTask, name="t.retrying", unique_until="start", bind=True, shared=False)
+    def retrying(self: Any) -> None:
+        runs.append(self.request.retries)
+        if self.request.retries == 0:
+            raise self.retry(countdown=0)
+
+    try:
+        with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10):
+            assert ("W102", "t.retrying") not in _parse(dedup_log.warnings())
+            retrying.delay()
+            wait_until(lambda: runs == [0, 1], timeout=60)
+            wait_until(lambda: ("W102", "t.retrying") in _parse(dedup_log.warnings()), timeout=60)
+    finally:
+        _release_all(app)
+        app.close()
+    line = next(m for m in dedup_log.warnings() if "W102" in m)
+    assert "it called retry()" in line
