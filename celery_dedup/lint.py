@@ -87,8 +87,6 @@ SERVER_RULES: Final = frozenset({"W106", "I106", "W107", "I107"})
 _REDIS: Final = frozenset({"redis", "rediss", "sentinel", "sentinels"})
 _REDIS_CLUSTER: Final = frozenset({"redis+cluster", "rediss+cluster"})
 _MEMCACHED: Final = frozenset({"memcached", "cache"})
-#: Django cache backends whose keys live in memory only
-_VOLATILE_CACHES: Final = ("LocMemCache", "MemcachedCache", "PyMemcacheCache", "PyLibMCCache")
 #: Celery's default ``result_expires``: one day
 _RESULT_EXPIRES: Final = 86400.0
 #: the name of the reaper task (``celery_dedup.reaper.REAP_TASK_NAME``)
@@ -130,8 +128,6 @@ class AppFacts:
     reaper: bool
     #: ids silenced by ``dedup_silenced_warnings``
     silenced: frozenset[str] = frozenset()
-    #: the Django cache ``BACKEND`` of a ``django-cache`` store
-    cache_backend: str | None = None
 
     @property
     def store_scheme(self) -> str:
@@ -182,19 +178,12 @@ def app_facts(app: Any) -> AppFacts:
     except Exception:  # an invalid dedup_store is reported by the option checks
         url = None
     expires = conf.get("result_expires", _RESULT_EXPIRES)
-    backend = None
-    if url is not None and split_url(url)[0] == "django-cache":
-        from django.conf import settings
-
-        alias = url.partition("://")[2] or "default"
-        backend = str(settings.CACHES.get(alias, {}).get("BACKEND", ""))
     return AppFacts(
         store_url=url,
         visibility_timeout=visibility_timeout(conf) if broker_redelivers(conf) else 0.0,
         result_expires=_seconds(expires) or None,
         reaper=_REAPER in app.tasks,
         silenced=validate_lint_ids(conf.get("dedup_silenced_warnings")),
-        cache_backend=backend,
     )
 
 
@@ -290,9 +279,7 @@ def _forgets_on_restart(app: AppFacts) -> bool | None:
     scheme = app.store_scheme
     if scheme == "memory" or scheme in _MEMCACHED:
         return True
-    if scheme == "django-cache":
-        return (app.cache_backend or "").endswith(_VOLATILE_CACHES) or None
-    if scheme in _REDIS or scheme in _REDIS_CLUSTER:
+    if scheme in _REDIS or scheme in _REDIS_CLUSTER or scheme == "django-cache":
         return None
     return False
 
@@ -338,33 +325,40 @@ def lint_server(
 
     def found() -> Iterator[Finding]:
         scheme = app.store_scheme
-        if scheme not in _REDIS and scheme not in _REDIS_CLUSTER:
+        redis = scheme in _REDIS or scheme in _REDIS_CLUSTER
+        if not redis and scheme != "django-cache":
             return
         why = (server.error if server else None) or f"the {scheme} store cannot be asked"
         policy = server.eviction_policy if server else None
-        if policy is None:
-            yield _finding("I106", f"cannot decide whether the store's server evicts locks "
-                           f"under memory pressure ({why})")
-        elif policy != "noeviction":
-            limit = f"maxmemory {server.maxmemory} bytes" if server and server.maxmemory \
-                else "no maxmemory yet (CONFIG SET can add one)"
-            yield _finding("W106", f'the store\'s server has maxmemory-policy "{policy}" '
-                           f"({limit}): under memory pressure it deletes keys with a TTL, "
-                           "locks included, and a held key becomes free")
+        # A Django cache on Redis answers (or fails) as Redis; other caches have no policy.
+        if redis or (server is not None and (policy is not None or server.error)):
+            yield from _eviction(policy, server, why)
         persistent = server.persistent if server else None
         if persistent is False:
             expiry = _expiry_tasks(app, tasks, "W107")
             if expiry:
-                yield _finding("W107", "the store's server keeps no RDB snapshots and no "
-                               "AOF, so a restart frees every idempotency key of "
-                               f"{', '.join(expiry)} (unique_until=\"expiry\") and the same "
-                               "call runs again")
+                yield _finding("W107", f"the {scheme} store's server keeps its keys in memory "
+                               "only (for Redis: no RDB snapshots and no AOF), so a restart "
+                               f"frees every idempotency key of {', '.join(expiry)} "
+                               "(unique_until=\"expiry\") and the same call runs again")
         elif persistent is None and _expiry_tasks(app, tasks, "I107"):
             yield _finding("I107", "cannot decide whether the store's server keeps the "
                            f"idempotency keys of unique_until=\"expiry\" tasks across a "
                            f"restart ({why})")
 
     return _unsilenced(found(), app, tasks)
+
+
+def _eviction(policy: str | None, server: Durability | None, why: str) -> Iterator[Finding]:
+    if policy is None:
+        yield _finding("I106", "cannot decide whether the store's server evicts locks "
+                       f"under memory pressure ({why})")
+    elif policy != "noeviction":
+        limit = (f"maxmemory {server.maxmemory} bytes" if server and server.maxmemory
+                 else "no maxmemory yet (CONFIG SET can add one)")
+        yield _finding("W106", f'the store\'s server has maxmemory-policy "{policy}" '
+                       f"({limit}): under memory pressure it deletes keys with a TTL, "
+                       "locks included, and a held key becomes free")
 
 
 def lint_countdown(app: AppFacts, task: TaskFacts, countdown: float) -> Finding | None:

@@ -168,3 +168,25 @@ def test_server_rules_run_with_the_database_tag(
     assert found & {"W106", "I106", "W107", "I107"} == {"I106", "I107"}
     lint_app(lru_redis.url(3), expiry, dedup_silenced_warnings=["W106"])
     assert {c for c, _ in _reported("--database", "default")} & {"W106", "W107"} == {"W107"}
+
+
+def test_django_cache_stores_answer_for_their_backend(
+    lint_app: Any, settings: Any, lru_redis: RedisServer, tmp_path: Any, db: None
+) -> None:
+    """A LocMemCache forgets expiry keys (W107), a file cache keeps them, a Redis cache asks."""
+    backend = "django.core.cache.backends."
+    settings.CACHES = {
+        **settings.CACHES,
+        "lint-locmem": {"BACKEND": backend + "locmem.LocMemCache", "LOCATION": "lint"},
+        "lint-file": {"BACKEND": backend + "filebased.FileBasedCache",
+                      "LOCATION": str(tmp_path / "cache")},
+        "lint-redis": {"BACKEND": backend + "redis.RedisCache", "LOCATION": lru_redis.url(4)},
+    }
+    expiry = {"t.a": {"unique_until": "expiry"}}
+    server_ids = {"W106", "I106", "W107", "I107"}
+    lint_app("django-cache://lint-locmem", expiry)
+    assert {c for c, _ in _reported("--database", "default")} & server_ids == {"W107"}
+    lint_app("django-cache://lint-file", expiry)
+    assert not {c for c, _ in _reported("--database", "default")} & server_ids
+    lint_app("django-cache://lint-redis", expiry)
+    assert {c for c, _ in _reported("--database", "default")} & server_ids == {"W106", "W107"}
