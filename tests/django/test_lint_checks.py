@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from celery import Celery
 from django.core.management import call_command
+from django.core.management.base import SystemCheckError
 from django.test import override_settings
 
 from celery_dedup import DedupTask
@@ -190,3 +191,12 @@ def test_django_cache_stores_answer_for_their_backend(
     assert not {c for c, _ in _reported("--database", "default")} & server_ids
     lint_app("django-cache://lint-redis", expiry)
     assert {c for c, _ in _reported("--database", "default")} & server_ids == {"W106", "W107"}
+
+
+def test_invalid_silencing_is_e032_not_a_crash(lint_app: Any, db: None) -> None:
+    """A bad ``dedup_silenced_warnings`` is reported by E032; the lint checks step aside."""
+    lint_app("django-db", {"t.a": {"unique_for": 10, "time_limit": 60}},
+             dedup_silenced_warnings="W101")
+    out = io.StringIO()
+    with pytest.raises(SystemCheckError, match=r"celery_dedup\.E032"):
+        call_command("check", "--database", "default", stdout=out, stderr=out)

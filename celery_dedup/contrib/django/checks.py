@@ -347,7 +347,10 @@ def check_store(
         from ...lint import app_facts, lint_server
         from ...startup import lint_tasks, store_durability
 
-        facts = app_facts(app)
+        try:
+            facts = app_facts(app)
+        except InvalidOptionError:  # E032 says so
+            return []
         server = store_durability(app)
         return [as_check(found) for found in lint_server(facts, lint_tasks(app), server)]
     return [Error(
@@ -396,7 +399,12 @@ def check_tasks(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     from ...lint import app_facts, lint_config
     from ...startup import lint_tasks, plain_tasks_with_options
 
-    lint = [as_check(found) for found in lint_config(app_facts(app), lint_tasks(app))]
+    try:
+        facts = app_facts(app)
+    except InvalidOptionError:  # E032 says so
+        facts = None
+    lint = [] if facts is None else [
+        as_check(found) for found in lint_config(facts, lint_tasks(app))]
     return lint + [
         Warning(
             f"task {name} sets {', '.join(options)} but is not a DedupTask: nothing "
