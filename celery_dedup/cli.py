@@ -42,7 +42,7 @@ from .metrics import EVENTS, live_locks
 from .reaper import reap as reap_locks
 from .reaper import result_of_this_run, should_release
 from .runtime import Runtime, runtime_for
-from .startup import PROBE_TIMEOUT, plain_tasks_with_options, probe_store, task_plans
+from .startup import PROBE_TIMEOUT, lint_app, plain_tasks_with_options, probe_store, task_plans
 from .stores.base import Lock, LockStore
 from .worker import short
 
@@ -463,21 +463,26 @@ def check_report(app: Any, timeout: float = PROBE_TIMEOUT) -> tuple[bool, dict[s
     """Probe the store, resolve every ``DedupTask``; ``(all usable, report)``.
 
     Not usable: the store failed its acquire/release round trip (or none
-    can be derived), a task's options are invalid, or a task that is not a
-    ``DedupTask`` sets dedup options nothing reads.
+    can be derived), a task's options are invalid, a task that is not a
+    ``DedupTask`` sets dedup options nothing reads, or the settings lint
+    (``celery_dedup.lint``) found a warning that is not silenced (its
+    "cannot decide" infos are reported without failing).
     """
     app.finalize()  # binds the tasks: the shims adopt their lock URL
     probe = probe_store(app, timeout)
     plans = task_plans(app)
     plain = plain_tasks_with_options(app)
+    found = lint_app(app, ask_server=probe.ok, timeout=timeout)
     report = {
         "store": {"url": probe.url, "name": probe.store, "ok": probe.ok, "error": probe.error,
                   "round_trip_ms": round(probe.elapsed * 1000, 1)},
         "fallback": app.conf.get("dedup_fallback") or "open",
         "tasks": [vars(plan) for plan in plans],
         "not_deduplicated": {name: list(options) for name, options in plain.items()},
+        "lint": [vars(finding) for finding in found],
     }
-    ok = probe.ok and not any(plan.error for plan in plans) and not plain
+    warned = any(not finding.is_info for finding in found)
+    ok = probe.ok and not any(plan.error for plan in plans) and not plain and not warned
     return ok, report
 
 
@@ -503,6 +508,11 @@ def check_lines(ok: bool, report: dict[str, Any], ok_mark: str = "OK") -> Iterab
     for name, options in report["not_deduplicated"].items():
         yield (f"WARNING {name} sets {', '.join(options)} but is not a DedupTask: "
                "nothing deduplicates it")
+    for finding in report["lint"]:
+        level = "INFO" if finding["id"].startswith("I") else "WARNING"
+        task = f" {finding['task']}" if finding["task"] else ""
+        yield f"{level} {finding['id']}{task}: {finding['message']}"
+        yield f"    fix: {finding['hint']} (silence: dedup_silenced_warnings=[{finding['id']!r}])"
     yield ""
     yield (f"{ok_mark} deduplication is working" if ok
            else "ERROR deduplication is NOT working as configured (see above)")
@@ -650,12 +660,14 @@ def stats(ctx: click.Context, /, as_json: bool, **kwargs: Any) -> None:
               help="Seconds to wait for the store before calling it unreachable.")
 @click.pass_context
 def check(ctx: click.Context, /, as_json: bool, timeout: float, **kwargs: Any) -> None:
-    """Probe the store; show each task's options.
+    """Probe the store; show each task's options; lint the settings.
 
     Takes and releases one lock on the store, then prints what each
-    registered DedupTask would use (policy, TTL, identity, on_duplicate).
-    Exits 1 when the store is unusable, a task's options are invalid, or a
-    task that is not a DedupTask sets dedup options.
+    registered DedupTask would use (policy, TTL, identity, on_duplicate)
+    and the settings lint's findings (W1xx: a hole that lets duplicates or
+    lost work through; I1xx: undecidable without the server's answer).
+    Exits 1 when the store is unusable, a task's options are invalid, a
+    task that is not a DedupTask sets dedup options, or a W1xx is reported.
     """
     app = ctx.obj.app
     app.loader.import_default_modules()

@@ -14,6 +14,7 @@ like a celery-dedup option (``unique_untill``, ``unqiue_for``,
 from __future__ import annotations
 
 import difflib
+import re
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
@@ -43,6 +44,7 @@ __all__ = [
     "pop_call_options",
     "validate_bool",
     "validate_choice",
+    "validate_lint_ids",
     "validate_setting",
     "validate_unique_for",
     "warn_unknown_settings",
@@ -176,6 +178,22 @@ def validate_send_events(value: Any, option: str = "dedup_send_events") -> bool 
     return None if value is None else validate_bool(value, option)
 
 
+#: a lint id as given to ``dedup_silenced_warnings`` or a task's ``dedup_silenced``
+_LINT_ID: Final = re.compile(r"(celery_dedup\.)?[WI]1\d\d")
+
+
+def validate_lint_ids(value: Any, option: str = "dedup_silenced_warnings") -> frozenset[str]:
+    """Lint ids (``"W101"`` or ``"celery_dedup.W101"``) as a set of bare ids."""
+    if value is None:
+        return frozenset()
+    if isinstance(value, str) or not isinstance(value, Iterable):
+        raise InvalidOptionError(option, value, 'a list of lint ids such as ["W101"]')
+    ids = list(value)
+    if not all(isinstance(i, str) and _LINT_ID.fullmatch(i) for i in ids):
+        raise InvalidOptionError(option, value, 'a list of lint ids such as ["W101"]')
+    return frozenset(i.rpartition(".")[2] for i in ids)
+
+
 def validate_flush_interval(value: Any, option: str = "dedup_metrics_flush_interval") -> float:
     """Seconds between metric flushes: a finite number ``>= 0`` (0 flushes every count)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1e9:
@@ -210,6 +228,8 @@ SETTINGS: Final[Mapping[str, tuple[Any, Callable[[Any, str], Any]]]] = {
     # How long a completed run's done marker refuses its late copies; None:
     # unique_for plus the transport's visibility_timeout (at least the lease).
     "dedup_done_ttl": (None, validate_unique_for),
+    # Settings-lint warnings (celery_dedup.lint) nobody wants to hear again.
+    "dedup_silenced_warnings": ((), validate_lint_ids),
 }
 
 DEFAULTS: Final[Mapping[str, Any]] = {name: spec[0] for name, spec in SETTINGS.items()}

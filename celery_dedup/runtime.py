@@ -28,7 +28,7 @@ from .options import Fallback, OnDuplicate, read_setting, warn_unknown_settings
 from .policy import UniqueUntil
 from .signals import dedup_fallback
 from .stores import derive_store_url, store_from_url
-from .stores.base import LockStore
+from .stores.base import Durability, LockStore
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -37,9 +37,11 @@ __all__ = [
     "WATCHED_SETTINGS",
     "AppSettings",
     "Runtime",
+    "broker_redelivers",
     "invalidate_all",
     "reset_runtime",
     "runtime_for",
+    "visibility_timeout",
 ]
 
 logger = logging.getLogger("celery_dedup")
@@ -65,6 +67,7 @@ WATCHED_SETTINGS = (
     "dedup_revoked_ttl",
     "dedup_lease_ttl",
     "dedup_done_ttl",
+    "dedup_silenced_warnings",
     "broker_transport_options",
     "task_send_sent_event",
     "worker_send_task_events",
@@ -125,6 +128,8 @@ class AppSettings:
     #: the broker URL's scheme (``sqs``, ``redis``, ``amqp``…)
     broker_scheme: str = ""
     store_options: dict[str, Any] = field(default_factory=dict)
+    #: settings-lint ids silenced app-wide (``dedup_silenced_warnings``)
+    silenced_warnings: frozenset[str] = frozenset()
 
     @classmethod
     def from_conf(cls, conf: Any) -> AppSettings:
@@ -143,10 +148,11 @@ class AppSettings:
             revoked_ttl=read_setting(conf, "dedup_revoked_ttl"),
             lease_ttl=read_setting(conf, "dedup_lease_ttl"),
             done_ttl=read_setting(conf, "dedup_done_ttl"),
-            visibility_timeout=_visibility_timeout(conf),
+            visibility_timeout=visibility_timeout(conf),
             native=read_setting(conf, "dedup_native"),
             broker_scheme=str(conf.get("broker_url") or "").split(";")[0].partition("://")[0],
             store_options=dict(conf.get("dedup_store_options") or {}),
+            silenced_warnings=read_setting(conf, "dedup_silenced_warnings"),
         )
 
 
@@ -165,6 +171,11 @@ class Runtime:
         self._store_resolved = False
         self._store_lock = threading.Lock()
         self._warned: set[str] = set()
+        #: what the store's server said about keeping keys (worker start,
+        #: ``celery dedup check``): the settings lint of a task's first call reuses it
+        self.durability: Durability | None = None
+        #: names of the tasks whose settings were linted in this process
+        self.linted: set[str] = set()
         #: (key, owner, deadline) of acquires that failed with the store
         #: unreachable: such a write may still land when the store answers
         #: again (a paused server runs what it had read). Unless the call's
@@ -212,6 +223,7 @@ class Runtime:
             if changed & _STORE_SETTINGS or not changed:
                 self._store, self._store_resolved = None, False
             self._warned.clear()
+            self.linted.clear()
             self.generation += 1
 
     @property
@@ -313,8 +325,16 @@ class Runtime:
 _REDELIVERING = frozenset({"redis", "rediss", "redis+socket", "sentinel", "sqs", "gcpubsub"})
 
 
-def _visibility_timeout(conf: Any) -> float:
-    """The broker's ``visibility_timeout``: how late a copy of a message can come."""
+def broker_redelivers(conf: Any) -> bool:
+    """Whether the broker delivers an unacknowledged message again after ``visibility_timeout``."""
+    return str(conf.get("broker_url") or "").split(";")[0].partition("://")[0] in _REDELIVERING
+
+
+def visibility_timeout(conf: Any) -> float:
+    """The broker's ``visibility_timeout``: how late a copy of a message can come.
+
+    ``0`` for a transport that never redelivers an unacknowledged message by time.
+    """
     options = conf.get("broker_transport_options") or {}
     scheme = str(conf.get("broker_url") or "").split(";")[0].partition("://")[0]
     given = options.get("visibility_timeout")

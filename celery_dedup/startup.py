@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import secrets
 import sys
 import threading
@@ -37,14 +38,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 from celery._state import connect_on_app_finalize, get_current_app
-from celery.signals import before_task_publish, celeryd_after_setup, worker_init
+from celery.signals import before_task_publish, celeryd_after_setup, task_retry, worker_init
 from kombu.utils.url import maybe_sanitize_url
 
 from .events import warn_if_events_off
+from .exceptions import InvalidOptionError
 from .identity import lock_key
+from .lint import Finding, TaskFacts, app_facts, lint_config, lint_server, task_facts
 from .options import DedupConfigWarning
 from .runtime import runtime_for
 from .stores import derive_store_url
+from .stores.base import Durability, DurabilityReport
 from .task import DedupTask
 
 if TYPE_CHECKING:
@@ -58,8 +62,11 @@ __all__ = [
     "TaskPlan",
     "check_worker_start",
     "dedup_tasks",
+    "lint_app",
+    "lint_tasks",
     "plain_tasks_with_options",
     "probe_store",
+    "store_durability",
     "task_plans",
     "warn_plain_task_options",
 ]
@@ -160,6 +167,18 @@ def dedup_tasks(app: Celery) -> list[DedupTask]:
     return sorted(found, key=lambda task: task.name)
 
 
+def masked_url(url: str) -> str:
+    """``url`` with its password masked, also when kombu cannot parse it.
+
+    A memcached URL naming several servers (``memcached://h1:1;h2:2``) has
+    no single port, which kombu's parser refuses.
+    """
+    try:
+        return str(maybe_sanitize_url(url))
+    except ValueError:
+        return re.sub(r"(//[^:/@;]*):[^@/;]*@", r"\1:**@", url)
+
+
 def probe_store(app: Celery, timeout: float = PROBE_TIMEOUT) -> StoreProbe:
     """Take and release one lock on ``app``'s store; never raises.
 
@@ -168,7 +187,7 @@ def probe_store(app: Celery, timeout: float = PROBE_TIMEOUT) -> StoreProbe:
     firewall that drops packets never answers).
     """
     url = derive_store_url(app)
-    shown = maybe_sanitize_url(url) if url else None
+    shown = masked_url(url) if url else None
     outcome: list[StoreProbe] = []
 
     def run() -> None:
@@ -241,7 +260,7 @@ def _fallback_effect(app: Celery, probe: StoreProbe) -> str:
 def task_plans(app: Celery) -> list[TaskPlan]:
     """What each registered ``DedupTask`` would use: store, policy, TTL; never raises."""
     url = derive_store_url(app)
-    store = maybe_sanitize_url(url) if url else "none"
+    store = masked_url(url) if url else "none"
     plans = []
     for task in dedup_tasks(app):
         try:
@@ -258,6 +277,93 @@ def task_plans(app: Celery) -> list[TaskPlan]:
             on_duplicate=config.on_duplicate.value,
         ))
     return plans
+
+
+# -- the settings lint --------------------------------------------------------------
+
+
+def store_durability(app: Celery, timeout: float = PROBE_TIMEOUT) -> Durability | None:
+    """Ask ``app``'s store's server whether it keeps keys until their TTL; never raises.
+
+    ``None`` when the store cannot be asked at all (no ``DurabilityReport``).
+    The answer is kept for the settings lint of each task's first call.
+    """
+    outcome: list[Durability | None] = []
+
+    def run() -> None:
+        try:
+            store = runtime_for(app).store
+            outcome.append(store.durability() if isinstance(store, DurabilityReport) else None)
+        except Exception as exc:  # the answer is "cannot tell", in words
+            outcome.append(Durability(None, None, None, f"{type(exc).__name__}: {exc}"))
+
+    thread = threading.Thread(target=run, name="celery-dedup-durability", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    found = outcome[0] if outcome else Durability(
+        None, None, None, f"no answer within {timeout:g} s")
+    runtime_for(app).durability = found
+    return found
+
+
+def lint_tasks(app: Celery) -> list[TaskFacts]:
+    """``TaskFacts`` of each ``DedupTask`` of ``app`` whose options are valid.
+
+    A task whose options are invalid is left out: ``task_plans`` (and the
+    option checks) report its error.
+    """
+    tasks = []
+    for task in dedup_tasks(app):
+        try:
+            tasks.append(task_facts(task))
+        except Exception:  # an invalid option is reported by task_plans
+            continue
+    return tasks
+
+
+def lint_app(
+    app: Celery, *, ask_server: bool = True, timeout: float = PROBE_TIMEOUT
+) -> list[Finding]:
+    """The settings lint of every ``DedupTask`` of ``app`` (``celery_dedup.lint``).
+
+    With ``ask_server`` the store's server is asked too (one round trip, at
+    most ``timeout`` seconds).
+    """
+    try:
+        facts = app_facts(app)
+    except InvalidOptionError:  # reported by the option checks and task_plans
+        return []
+    tasks = lint_tasks(app)
+    found = lint_config(facts, tasks)
+    if ask_server:
+        found += lint_server(facts, tasks, store_durability(app, timeout))
+    runtime_for(app).linted.update(["", *(task.name for task in tasks)])
+    return found
+
+
+@task_retry.connect(weak=False, dispatch_uid="celery_dedup.lint_retry")
+def _on_retry(sender: Any = None, **_: Any) -> None:
+    """W102 seen at run time: a ``start`` task that retries without declaring it.
+
+    A body calling ``self.retry()`` under Celery's default ``max_retries``
+    cannot be told from the task's options; its first retry in a process is.
+    """
+    if not isinstance(sender, DedupTask):
+        return
+    runtime = runtime_for(sender.app)
+    marker = f"{sender.name}\0retried"
+    if marker in runtime.linted:
+        return
+    runtime.linted.add(marker)
+    try:
+        facts, declared = app_facts(sender.app), task_facts(sender)
+    except Exception:  # an invalid option is reported where it is resolved
+        return
+    if declared.retries:  # reported from the declaration already
+        return
+    for finding in lint_config(facts, [task_facts(sender, retried=True)]):
+        if finding.id == "W102":
+            logger.warning("%s", finding.line())
 
 
 # -- dedup options where nothing reads them ----------------------------------------
@@ -352,9 +458,15 @@ def check_worker_start(app: Celery, worker: Any = None) -> StoreProbe | None:
     warn_if_events_off(bool(getattr(worker, "task_events", False)),
                        runtime_for(app).settings.send_events)
     probe = probe_store(app)
+    found = lint_app(app, ask_server=probe.ok)
+    for finding in found:
+        logger.warning("%s", finding.line())
     if probe.ok:
         logger.info("celery-dedup: %s", probe.describe())
         verdict = f"[celery-dedup] {len(tasks)} task(s), {probe.describe()}"
+        if found:
+            ids = ", ".join(sorted({finding.id for finding in found}))
+            verdict += f"\n[celery-dedup] settings lint: {ids} (see the log)"
     else:
         names = ", ".join(task.name for task in tasks[:5])
         more = f" and {len(tasks) - 5} more" if len(tasks) > 5 else ""

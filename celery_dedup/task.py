@@ -35,6 +35,7 @@ from .identity import (
     lock_key,
 )
 from .lifecycle import Held, Outcome, meta_for
+from .lint_calls import lint_call_delay, lint_first_call
 from .options import (
     OnDuplicate,
     ResolvedOptions,
@@ -43,6 +44,7 @@ from .options import (
     validate_bool,
     validate_choice,
     validate_key,
+    validate_lint_ids,
     validate_unique_for,
     warn_unknown_task_options,
 )
@@ -82,6 +84,7 @@ _ATTRIBUTES: Mapping[str, Callable[[Any, str], Any]] = {
     "deterministic_id": lambda v, o: None if v is None else validate_bool(v, o),
     "unique_on": _validate_unique_on,
     "deduplication_key": _validate_key_callable,
+    "dedup_silenced": validate_lint_ids,
 }
 
 
@@ -174,6 +177,10 @@ class DedupTask(_Task):
     #: validated nor read as options; the app's settings apply unless the
     #: subclass's ``build_dedup_config`` supplies them.
     dedup_not_options: frozenset[str] = frozenset()
+
+    #: Settings-lint ids (``"W101"``…) not to report for this task
+    #: (``celery_dedup.lint``); ``dedup_silenced_warnings`` silences them app-wide.
+    dedup_silenced: Sequence[str] = ()
 
     _dedup_config: TaskConfig | None = None
     _dedup_generation: int = -1
@@ -368,6 +375,12 @@ class DedupTask(_Task):
         """
         given = pop_call_options(options, self.name) if options else {}
         config = self.dedup_config()
+        if self.name not in config.runtime.linted:
+            lint_first_call(self, config.runtime)
+        if config.runtime.settings.visibility_timeout and (
+            options.get("countdown") or options.get("eta")
+        ):
+            lint_call_delay(self, config.runtime, options)
 
         def publish(task_id: str, header: LockHeader) -> Any:
             headers = {**(options.get("headers") or {}), HEADER: header.encode()}

@@ -25,6 +25,7 @@ from tests.apps import cli_app
 from tests.apps.cli_app import SLOW, SYNC, make_app
 from tests.fixtures._servers import free_port
 from tests.fixtures.logs import DedupLog
+from tests.fixtures.memcached import MemcachedServer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,6 +97,22 @@ def test_worker_with_a_working_store_names_it_in_the_banner(redis_url: str) -> N
     assert "[celery-dedup] 2 task(s), redis store at redis://" in out, out
     assert "OK (acquire/release round trip in" in out
     assert "DEDUPLICATION IS NOT WORKING" not in out
+
+
+@pytest.mark.slow
+@pytest.mark.memcached
+def test_worker_banner_names_the_settings_lint_findings(
+    memcached_pair: tuple[MemcachedServer, MemcachedServer],
+) -> None:
+    """``celery worker`` logs each lint finding with its fix and names the ids under its banner."""
+    one, two = memcached_pair
+    out = _worker_output(f"memcached://127.0.0.1:{one.port};127.0.0.1:{two.port}", " ready.")
+    assert "[celery-dedup] settings lint: W109 (see the log)" in out, out
+    assert "celery-dedup W109: the memcached store spreads keys over 2 servers" in out
+    assert "Fix: use one memcached server (or a Redis/SQL store)." in out
+    assert out.index("settings lint: W109") < out.index(" ready.")
+    single = _worker_output(one.url, " ready.")
+    assert "settings lint" not in single and "W109" not in single, single
 
 
 def test_embedded_worker_logs_the_unreachable_store(

@@ -41,6 +41,8 @@ __all__ = [
     "ClaimOutcome",
     "Classify",
     "CounterSupport",
+    "Durability",
+    "DurabilityReport",
     "Lock",
     "LockMeta",
     "LockStore",
@@ -321,6 +323,35 @@ class CounterSupport(Protocol):
 
     def read_counts(self, prefix: str) -> dict[tuple[str, str], int]:
         """Return every stored counter under ``prefix``."""
+
+
+@dataclass(frozen=True)
+class Durability:
+    """What a store's server says about keeping keys until their TTL ends.
+
+    ``None`` in a field means "could not be told" (``error`` says why).
+    """
+
+    #: the server's eviction policy under memory pressure (Redis' ``maxmemory-policy``)
+    eviction_policy: str | None
+    #: the server's memory limit in bytes (``0``: none)
+    maxmemory: int | None
+    #: whether keys survive a restart of the server (RDB snapshots or the AOF)
+    persistent: bool | None
+    #: why the server could not be asked (a refused ``CONFIG GET``, an outage)
+    error: str | None = None
+
+
+@runtime_checkable
+class DurabilityReport(Protocol):
+    """**Protocol:** a store whose server can say whether it keeps keys until their TTL.
+
+    Read by the settings lint (``celery_dedup.lint``) at worker start and by
+    ``celery dedup check``, never on a call's path.
+    """
+
+    def durability(self) -> Durability:
+        """Ask the server (one round trip); never raises: errors go to ``error``."""
 
 
 #: Decides what a driver exception means: the ``StoreError`` class to raise

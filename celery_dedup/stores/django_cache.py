@@ -31,6 +31,8 @@ from ..exceptions import (
 )
 from .base import (
     Claim,
+    Durability,
+    DurabilityReport,
     Lock,
     LockMeta,
     LockStore,
@@ -187,6 +189,26 @@ class DjangoCacheStore:
         if isinstance(locks, _GenericCacheLocks):
             return locks.guarantee
         return CacheGuarantee.ATOMIC
+
+    def durability(self) -> Durability:
+        """Whether the cache keeps keys until their TTL, and across a restart.
+
+        A ``RedisCache`` asks its server (as the Redis store); memcached and
+        ``LocMemCache`` keep keys in memory only; the database and file
+        caches keep them.
+        """
+        from django.core.cache import caches
+
+        locks = self.locks()
+        if isinstance(locks, DurabilityReport):
+            return locks.durability()
+        if isinstance(locks, MemcachedStore):
+            return Durability(None, None, persistent=False)
+        backend = type(caches[self.alias]).__name__
+        if backend in ("DatabaseCache", "FileBasedCache"):
+            return Durability(None, None, persistent=True)
+        in_memory = backend in ("LocMemCache", "PyLibMCCache", "PyMemcacheCache", "MemcachedCache")
+        return Durability(None, None, persistent=False if in_memory else None)
 
     def acquire(self, key: str, owner: str, ttl: float, meta: LockMeta) -> Lock | None:
         """Take the lock or return the holder."""

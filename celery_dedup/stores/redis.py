@@ -45,11 +45,13 @@ from . import is_result_backend
 from .base import (
     Claim,
     ClaimOutcome,
+    Durability,
     Lock,
     LockMeta,
     RevokeOutcome,
     RunOutcome,
     RunRef,
+    server_answer,
     store_errors,
     translate,
 )
@@ -607,6 +609,29 @@ class RedisStore:
         if given:
             client = _with_options(backend, given)
         return cls(client, keyprefix=keyprefix, label=label, timeouts=options)
+
+    def durability(self) -> Durability:
+        """``CONFIG GET`` of the eviction policy and persistence, in one round trip.
+
+        Managed servers often refuse ``CONFIG``: the answer then says so in
+        ``error`` instead of guessing.
+        """
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for name in ("maxmemory-policy", "maxmemory", "save", "appendonly"):
+                pipe.config_get(name)
+            answers = pipe.execute()
+        except Exception as exc:  # refused, unknown command, unreachable: all "cannot tell"
+            return Durability(None, None, None, server_answer(exc))
+        found = {_text(k): _text(v) for answer in answers for k, v in dict(answer).items()}
+        if "maxmemory-policy" not in found:
+            return Durability(None, None, None, "CONFIG GET answered nothing")
+        persistent = bool(found.get("save", "").strip()) or found.get("appendonly") == "yes"
+        return Durability(
+            eviction_policy=found["maxmemory-policy"],
+            maxmemory=int(found.get("maxmemory") or 0),
+            persistent=persistent,
+        )
 
     def classify(self, exc: BaseException) -> type[StoreError] | None:
         """What a driver error means (``classify``, with this store's ``unreachable``)."""

@@ -23,6 +23,7 @@ import celery_dedup
 from celery_dedup import exceptions as core
 from celery_dedup.cli import CommandFailed
 from celery_dedup.compat import celery_once, celery_singleton
+from celery_dedup.lint_calls import DedupLintWarning
 from celery_dedup.options import DedupConfigWarning
 from tests.compat.conftest import AppFactory, worker
 
@@ -47,6 +48,7 @@ SAMPLES: dict[type[BaseException], Callable[[], BaseException]] = {
     core.ImproperlyConfigured: lambda: core.ImproperlyConfigured("unknown scheme"),
     CommandFailed: lambda: CommandFailed("no such lock"),
     DedupConfigWarning: lambda: DedupConfigWarning("unknown setting"),
+    DedupLintWarning: lambda: DedupLintWarning("celery-dedup W101 (task t): … Fix: …."),
     celery_once.AlreadyQueued: lambda: celery_once.AlreadyQueued(
         30.5, task_name="t.sync", key="k", existing_task_id="id-1"
     ),

@@ -26,6 +26,7 @@ BAD_VALUES = [
     ("CELERY_DEDUP_METRICS_FLUSH_INTERVAL", -1, "celery_dedup.E011"),
     ("CELERY_DEDUP_NATIVE", "sometimes", "celery_dedup.E012"),
     ("CELERY_DEDUP_REVOKED_TTL", -1, "celery_dedup.E013"),
+    ("CELERY_DEDUP_SILENCED_WARNINGS", "W101", "celery_dedup.E032"),
 ]
 
 

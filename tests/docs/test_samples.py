@@ -22,7 +22,7 @@ from tests.docs.samples import runnable, samples
 from tests.fixtures._servers import free_port
 from tests.fixtures.memcached import MemcachedServer
 from tests.fixtures.postgres import PostgresServer
-from tests.fixtures.redis import RedisServer
+from tests.fixtures.redis import RedisServer, redis_configured
 from tests.fixtures.redis_cluster import RedisClusterServer
 
 pytestmark = pytest.mark.redis
@@ -51,6 +51,7 @@ DJANGO_PAGES = frozenset({"docs/django.md"})
 
 #: the fixture pointing a page's other servers at the session's.
 SERVERS = {
+    "docs/cli.md": "docs_durable_redis",
     "docs/native.md": "docs_sqs",
     "docs/stores/index.md": "docs_postgres",
     "docs/stores/memcached.md": "docs_memcached",
@@ -83,6 +84,17 @@ def redis_dbs(redis_server: RedisServer) -> Iterator[dict[str, str]]:
         "start_http_server(9808)": f"start_http_server({free_port()})",
     }
     redis_server.flush(BROKER_DB, BACKEND_DB)
+
+
+@pytest.fixture
+def docs_durable_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """The page's store Redis as a default redis-server is: with RDB snapshots.
+
+    The session's server keeps no snapshots, which the settings lint
+    reports (W107) for the page's ``unique_until="expiry"`` task.
+    """
+    with redis_configured(tmp_path_factory.mktemp("docs-rdb"), "--save", "3600 1") as server:
+        yield {"redis://localhost:6379/1": server.url(1)}
 
 
 @pytest.fixture

@@ -41,6 +41,12 @@ id                      setting
 ``celery_dedup.W020``   a task that is not a ``DedupTask`` sets dedup
                         options (nothing reads them); checked once the
                         Celery app is finalized
+``celery_dedup.E032``   ``CELERY_DEDUP_SILENCED_WARNINGS``
+``celery_dedup.W101``…  the settings lint (``celery_dedup.lint``): W101-
+``celery_dedup.W109``   W105, W108, W109 and the store-type cases of W107
+                        once the Celery app is finalized; W106/I106 and
+                        the Redis cases of W107/I107 ask the store's
+                        server (``database`` tag, with E015)
 ======================  ===============================================
 """
 
@@ -48,17 +54,25 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from importlib.metadata import entry_points
-from typing import Any, Final
+from typing import Any, Final, cast
 
 from django.conf import settings
-from django.core.checks import CheckMessage, Error, Warning
+from django.core.checks import CheckMessage, Error, Info, Warning
 
 from ...exceptions import ImproperlyConfigured, InvalidOptionError
+from ...lint import Finding
 from ...native import Native
 from ...options import KNOWN_SETTINGS, SETTINGS, did_you_mean
 from ...stores import ALIASES, ENTRY_POINT_GROUP, derive_store_url, split_url, store_from_url
 
-__all__ = ["CHECK_IDS", "check_settings", "check_store", "check_tasks", "django_setting_name"]
+__all__ = [
+    "CHECK_IDS",
+    "as_check",
+    "check_settings",
+    "check_store",
+    "check_tasks",
+    "django_setting_name",
+]
 
 #: ``dedup_*`` setting → check id of its "invalid value" error.
 CHECK_IDS: Final[Mapping[str, str]] = {
@@ -75,6 +89,7 @@ CHECK_IDS: Final[Mapping[str, str]] = {
     "dedup_revoked_ttl": "celery_dedup.E013",
     "dedup_lease_ttl": "celery_dedup.E030",
     "dedup_done_ttl": "celery_dedup.E031",
+    "dedup_silenced_warnings": "celery_dedup.E032",
 }
 E_UNKNOWN_SCHEME: Final = "celery_dedup.E009"
 E_STORE_OPTIONS: Final = "celery_dedup.E010"
@@ -123,7 +138,9 @@ def _app() -> Any:
         current_app.conf.get("broker_url")
     except Exception:  # a broken Celery config is reported by Celery itself
         return None
-    return current_app
+    # The app itself, not the proxy: the probe runs in a thread of its own,
+    # where the proxy would resolve to the default app.
+    return cast(Any, current_app)._get_current_object()
 
 
 def _app_conf() -> Any:
@@ -327,7 +344,15 @@ def check_store(
 
     probe = probe_store(app)
     if probe.ok:
-        return []
+        from ...lint import app_facts, lint_server
+        from ...startup import lint_tasks, store_durability
+
+        try:
+            facts = app_facts(app)
+        except InvalidOptionError:  # E032 says so
+            return []
+        server = store_durability(app)
+        return [as_check(found) for found in lint_server(facts, lint_tasks(app), server)]
     return [Error(
         f"celery-dedup's lock store is unusable: {probe.describe()}; DedupTask calls "
         "will follow CELERY_DEDUP_FALLBACK (open: published WITHOUT deduplication)",
@@ -352,6 +377,13 @@ def _lock_table_exists(url: str) -> bool:
     return bool(DedupLock._meta.db_table in tables)
 
 
+def as_check(finding: Finding) -> CheckMessage:
+    """A lint finding as a Django check message (``celery_dedup.W101``…)."""
+    kind = Info if finding.is_info else Warning
+    return kind(finding.message, hint=finding.hint, obj=finding.task,
+                id=f"celery_dedup.{finding.id}")
+
+
 def check_tasks(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """Tasks that are not ``DedupTask`` but set dedup options nothing reads.
 
@@ -364,9 +396,16 @@ def check_tasks(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     app = _app()
     if app is None or not app.finalized:
         return []
-    from ...startup import plain_tasks_with_options
+    from ...lint import app_facts, lint_config
+    from ...startup import lint_tasks, plain_tasks_with_options
 
-    return [
+    try:
+        facts = app_facts(app)
+    except InvalidOptionError:  # E032 says so
+        facts = None
+    lint = [] if facts is None else [
+        as_check(found) for found in lint_config(facts, lint_tasks(app))]
+    return lint + [
         Warning(
             f"task {name} sets {', '.join(options)} but is not a DedupTask: nothing "
             "deduplicates it and the options are ignored",
