@@ -15,7 +15,7 @@ from celery.app.routes import Router
 from celery.exceptions import Ignore, Reject, Retry
 from celery.utils import uuid
 
-from . import events, native, worker
+from . import events, key_reuse, native, worker
 from .exceptions import (
     DeduplicationUnavailable,
     DuplicateTaskError,
@@ -37,6 +37,7 @@ from .identity import (
 from .lifecycle import Held, Outcome, meta_for
 from .options import (
     OnDuplicate,
+    OnKeyReuse,
     ResolvedOptions,
     naming_task,
     pop_call_options,
@@ -82,6 +83,7 @@ _ATTRIBUTES: Mapping[str, Callable[[Any, str], Any]] = {
     "deterministic_id": lambda v, o: None if v is None else validate_bool(v, o),
     "unique_on": _validate_unique_on,
     "deduplication_key": _validate_key_callable,
+    "on_key_reuse": lambda v, o: None if v is None else validate_choice(OnKeyReuse, v, o),
 }
 
 
@@ -103,6 +105,8 @@ class TaskConfig:
     routed: bool = False
     #: the task's serializer: keys are computed on the arguments it delivers
     serializer: str = "json"
+    #: what a caller's key held for different arguments does
+    on_key_reuse: OnKeyReuse = OnKeyReuse.WARN
 
     def resolve(self, given: Mapping[str, Any]) -> ResolvedOptions:
         """Apply one call's options (already validated) over the task's."""
@@ -115,6 +119,7 @@ class TaskConfig:
             on_duplicate=given.get("on_duplicate", self.on_duplicate),
             deterministic_id=given.get("deterministic_id", self.deterministic_id),
             deduplication_key=given.get("deduplication_key"),
+            on_key_reuse=given.get("on_key_reuse", self.on_key_reuse),
         )
 
     @cached_property
@@ -127,6 +132,7 @@ class TaskConfig:
             on_duplicate=self.on_duplicate,
             deterministic_id=self.deterministic_id,
             deduplication_key=None,
+            on_key_reuse=self.on_key_reuse,
         )
 
 
@@ -168,6 +174,11 @@ class DedupTask(_Task):
 
     #: Derive the task id from the lock key (uuid5), the same for every producer.
     deterministic_id: bool | None = None
+
+    #: A call's ``deduplication_key`` held for different arguments: ``"raise"``
+    #: (``KeyReuseError``), ``"warn"`` or ``"ignore"``; ``None`` asks
+    #: ``dedup_on_key_reuse`` (default ``"warn"``).
+    on_key_reuse: OnKeyReuse | str | None = None
 
     #: Option names this class uses for something else (the celery-singleton
     #: shim's ``on_duplicate(existing_task_id)`` hook): they are neither
@@ -239,6 +250,7 @@ class DedupTask(_Task):
             ),
             routed=bool(self.app.conf.task_routes) and not getattr(self, "queue", None),
             serializer=str(self.serializer or self.app.conf.task_serializer or "json"),
+            on_key_reuse=_choice(OnKeyReuse, attr("on_key_reuse"), settings.on_key_reuse),
         )
 
     # -- keys --------------------------------------------------------------
@@ -481,7 +493,7 @@ class DedupTask(_Task):
         # given to a chain or a group holds the canvas as one unit for unique_for.
         until = UniqueUntil.EXPIRY if canvas_key else call.unique_until
         replaces = call.on_duplicate is OnDuplicate.REPLACE
-        owner = new_token()
+        owner = self._owner_token(config, call, args, kwargs, options)
         holder_id = str(options.get("group_id") or task_id) if canvas_key else task_id
         meta = meta_for(self, holder_id, until)
         previous: Lock | None = None
@@ -510,7 +522,7 @@ class DedupTask(_Task):
         if holder is not None and holder.owner != owner:
             # (A holder with this call's own token is this call's write, seen
             # again by a client that re-sent the command after losing its reply.)
-            return self._held(call, key, holder, task_id, args, kwargs, options, publish)
+            return self._held(call, key, holder, task_id, args, kwargs, options, publish, owner)
 
         header = LockHeader(key, until, call.unique_for, replaces, owner)
         runtime.metrics.incr(self.name, "acquired")
@@ -561,6 +573,7 @@ class DedupTask(_Task):
         kwargs: Any,
         options: Mapping[str, Any],
         publish: Callable[[str, LockHeader], Any],
+        owner: str = "",
     ) -> Any:
         """What a call whose key is held does.
 
@@ -587,7 +600,26 @@ class DedupTask(_Task):
             or options.get("group_index")
         ):
             return mark_result(publish(task_id, NO_LOCK), key)
+        if key_reuse.conflicts(owner, holder):
+            key_reuse.report(self, call.on_key_reuse, key, holder)
         return self._duplicate(call, key, holder, task_id, args, kwargs, options, canvas=canvas)
+
+    def _owner_token(
+        self,
+        config: TaskConfig,
+        call: ResolvedOptions,
+        args: Any,
+        kwargs: Any,
+        options: Mapping[str, Any],
+    ) -> str:
+        """A new owner token; with the fingerprint of the arguments for a caller's key."""
+        if call.deduplication_key is None or call.on_key_reuse is OnKeyReuse.IGNORE:
+            return new_token()
+        sent_args, sent_kwargs = self._as_sent(args, kwargs, options)
+        serializer = str(options.get("serializer") or config.serializer)
+        return key_reuse.token(
+            key_reuse.fingerprint(config.binder, sent_args, sent_kwargs, serializer)
+        )
 
     def _must_not_raise(self, options: Mapping[str, Any]) -> bool:
         """Inside a worker or beat, raising would fail the parent task or the schedule."""
