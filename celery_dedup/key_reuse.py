@@ -19,6 +19,7 @@ import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from enum import Enum
+from types import FrameType
 from typing import Any, Final
 
 from .exceptions import KeyReuseError, KeyReuseWarning
@@ -137,12 +138,12 @@ def _caller_level() -> int:
     ``apply_async``, a signature), so the default filter shows it once per
     call site rather than once per process.
     """
-    frame = sys._getframe(2)  # the caller of ``report``: stacklevel 2
+    frame: FrameType | None = sys._getframe(2)  # the caller of ``report``: stacklevel 2
     level = 2
     while frame is not None:
         module = str(frame.f_globals.get("__name__", ""))
         if not module.startswith(_OWN_MODULES):
             return level
-        frame = frame.f_back  # type: ignore[assignment]
+        frame = frame.f_back
         level += 1
     return 2
