@@ -28,7 +28,15 @@ from .identity import ArgumentBinder, as_delivered, canonical_json, digest
 from .signals import key_reused
 from .stores.base import Lock
 
-__all__ = ["OnKeyReuse", "conflicts", "fingerprint", "fingerprint_of", "report", "token"]
+__all__ = [
+    "OnKeyReuse",
+    "conflicts",
+    "differ",
+    "fingerprint",
+    "fingerprint_of",
+    "report",
+    "token",
+]
 
 #: separates the secret part of an owner token from the fingerprint
 _SEPARATOR: Final = "."
@@ -88,6 +96,11 @@ def fingerprint_of(owner: str) -> str | None:
     return found
 
 
+def differ(mine: str | None, theirs: str | None) -> bool:
+    """Whether two fingerprints are both known and different."""
+    return mine is not None and theirs is not None and mine != theirs
+
+
 def conflicts(owner: str, holder: Lock) -> bool:
     """Whether this call (``owner``) and ``holder`` were made with different arguments.
 
@@ -96,27 +109,26 @@ def conflicts(owner: str, holder: Lock) -> bool:
     ``deduplication_key`` callable) is never judged.
     """
     mine = fingerprint_of(owner)
-    if mine is None:
-        return False
-    theirs = fingerprint_of(holder.owner)
-    return theirs is not None and theirs != mine
+    return mine is not None and differ(mine, fingerprint_of(holder.owner))
 
 
-def report(task: Any, mode: OnKeyReuse, key: str, holder: Lock) -> None:
+def report(
+    task: Any, mode: OnKeyReuse, key: str, existing_task_id: str, ttl: float | None
+) -> None:
     """Count and signal a reused key, then raise ``KeyReuseError`` or warn.
 
-    ``task`` is the ``DedupTask`` (the signal's sender). Called before
-    anything is published.
+    ``task`` is the ``DedupTask`` (the signal's sender); ``existing_task_id``
+    and ``ttl`` describe the holder (``""`` and ``None`` for a call still
+    pending in the same Django transaction). Called before anything is
+    published.
     """
     if mode is OnKeyReuse.IGNORE:
         return
     task.dedup_config().runtime.metrics.incr(task.name, "key_reused")
-    key_reused.send(
-        sender=task, key=key, existing_task_id=holder.task_id, action=mode.value
-    )
+    key_reused.send(sender=task, key=key, existing_task_id=existing_task_id, action=mode.value)
     if mode is OnKeyReuse.RAISE:
         raise KeyReuseError(
-            task_name=task.name, key=key, existing_task_id=holder.task_id, ttl=holder.ttl
+            task_name=task.name, key=key, existing_task_id=existing_task_id, ttl=ttl
         )
     warnings.warn(
         f"celery-dedup: {task.name}: deduplication key already in use for a call with "

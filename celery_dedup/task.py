@@ -601,7 +601,7 @@ class DedupTask(_Task):
         ):
             return mark_result(publish(task_id, NO_LOCK), key)
         if key_reuse.conflicts(owner, holder):
-            key_reuse.report(self, call.on_key_reuse, key, holder)
+            key_reuse.report(self, call.on_key_reuse, key, holder.task_id, holder.ttl)
         return self._duplicate(call, key, holder, task_id, args, kwargs, options, canvas=canvas)
 
     def _owner_token(
@@ -742,17 +742,28 @@ class DedupTask(_Task):
 
         Celery's ``DjangoTask.delay_on_commit``, which ``base=DedupTask``
         would otherwise lose: the lock is taken and the message published
-        only on commit, so a rolled-back request leaves neither.
+        only on commit, so a rolled-back request leaves neither. Calls with
+        the same lock key in one transaction publish once
+        (``celery_dedup.contrib.django.on_commit``). Returns ``None``.
         """
-        from celery.contrib.django.task import DjangoTask
+        from .contrib.django.on_commit import on_commit
 
-        DjangoTask.delay_on_commit(cast(Any, self), *args, **kwargs)
+        on_commit(self, args, kwargs, {})
 
-    def apply_async_on_commit(self, *args: Any, **kwargs: Any) -> None:
-        """Django: ``apply_async`` once the current transaction commits (nothing on rollback)."""
-        from celery.contrib.django.task import DjangoTask
+    def apply_async_on_commit(
+        self,
+        args: Sequence[Any] | None = None,
+        kwargs: Mapping[str, Any] | None = None,
+        using: str | None = None,
+        **options: Any,
+    ) -> None:
+        """Django: ``apply_async`` once the transaction commits, folded as ``delay_on_commit``.
 
-        DjangoTask.apply_async_on_commit(cast(Any, self), *args, **kwargs)
+        ``using``: the database whose transaction to wait for (default: the default one).
+        """
+        from .contrib.django.on_commit import on_commit
+
+        on_commit(self, args, kwargs, options, using)
 
     def _is_holder_republish(self, task_id: str | None, options: Mapping[str, Any]) -> bool:
         """A ``retry()`` or ``replace()`` from inside the holder's own execution."""
