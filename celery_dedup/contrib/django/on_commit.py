@@ -1,11 +1,11 @@
 """Transaction-scoped coalescing of ``delay_on_commit`` / ``apply_async_on_commit``.
 
 Inside ``transaction.atomic()`` (the default database, as Celery's
-``DjangoTask``; ``apply_async_on_commit(..., using=alias)`` for another), a call registers one ``on_commit`` hook per lock key: a
-later call with the same key (the key its lock would use) is folded into
-the pending one. On commit the hook calls ``apply_async`` once: one store
-round trip, one message. A rollback discards the hook: nothing is locked or
-published.
+``DjangoTask``; ``apply_async_on_commit(..., using=alias)`` for another), a
+call registers one ``on_commit`` hook per lock key: a later call with the
+same key (the key its lock would use) is folded into the pending one. On
+commit the hook calls ``apply_async`` once: one store round trip, one
+message. A rollback discards the hook: nothing is locked or published.
 
 Savepoints need no bookkeeping of ours. Django drops the hooks registered
 inside a savepoint that rolls back; a folded call was made inside every
