@@ -246,3 +246,15 @@ def test_key_reuse_error_round_trips() -> None:
         assert isinstance(copy, KeyReuseError)
         assert str(copy) == str(error) and copy.existing_task_id == "holder-id"
     assert "holder-id" not in str(error)
+
+
+def test_only_our_fingerprinted_tokens_are_read() -> None:
+    """Plain tokens and task ids used as owners (0.1.0 locks, custom ids) carry no fingerprint."""
+    from celery_dedup import key_reuse
+    from celery_dedup.identity import digest
+
+    fingerprint = digest("x")
+    assert key_reuse.fingerprint_of(key_reuse.token(fingerprint)) == fingerprint
+    assert key_reuse.fingerprint_of(key_reuse.token(None)) is None
+    for owner in ("my.custom.task-id", "a" * 22 + "." + "Z" * 32, "a" * 21 + "." + fingerprint):
+        assert key_reuse.fingerprint_of(owner) is None

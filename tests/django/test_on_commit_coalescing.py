@@ -91,7 +91,14 @@ def pg_store(
     pg_alias: str, celery_app: Any, coalesced: Any, django_db_setup: None,
     django_db_blocker: Any,
 ) -> Iterator[DjangoStore]:
-    """The example app's lock store on PostgreSQL, where the caller's transactions run too."""
+    """The example app's lock store on PostgreSQL, where the caller's transactions run too.
+
+    As ``test_store_transactions.py``'s ``alias_store``: database access is
+    unblocked rather than through ``transactional_db`` (whose test case
+    forbids the ``dedup_pg`` alias). Runs are recorded in the default test
+    database, which pytest-django creates when the selection includes a test
+    using it (this module's last test does).
+    """
     from shop.models import TaskRun
 
     with django_db_blocker.unblock():

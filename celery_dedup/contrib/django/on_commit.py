@@ -25,8 +25,8 @@ Which pending call wins:
   (``KeyReuseError`` is raised there, before anything is registered).
 
 A call that takes no lock (``unique_for=None``, ``identity="always_unique"``
-without a key) is never folded. Outside ``atomic()`` the call is made at
-once, as ``transaction.on_commit`` does.
+without a key) is never folded. Outside ``atomic()`` the call is left to
+``transaction.on_commit``: made at once under autocommit.
 """
 
 from __future__ import annotations
@@ -86,7 +86,8 @@ def on_commit(
     """
     connection = transaction.get_connection(using)
     if not connection.in_atomic_block:
-        task.apply_async(args, kwargs, **options)
+        # Django runs it at once (autocommit) or refuses (manual transactions).
+        connection.on_commit(lambda: task.apply_async(args, kwargs, **options))
         return
     config = task.dedup_config()
     call_options = dict(options)
