@@ -754,6 +754,8 @@ class DedupTask(_Task):
         self,
         args: Sequence[Any] | None = None,
         kwargs: Mapping[str, Any] | None = None,
+        task_id: str | None = None,
+        *,
         using: str | None = None,
         **options: Any,
     ) -> None:
@@ -763,6 +765,8 @@ class DedupTask(_Task):
         """
         from .contrib.django.on_commit import on_commit
 
+        if task_id is not None:
+            options["task_id"] = task_id
         on_commit(self, args, kwargs, options, using)
 
     def _is_holder_republish(self, task_id: str | None, options: Mapping[str, Any]) -> bool:
