@@ -258,3 +258,26 @@ def test_only_our_fingerprinted_tokens_are_read() -> None:
     assert key_reuse.fingerprint_of(key_reuse.token(None)) is None
     for owner in ("my.custom.task-id", "a" * 22 + "." + "Z" * 32, "a" * 21 + "." + fingerprint):
         assert key_reuse.fingerprint_of(owner) is None
+
+
+def test_raise_is_not_softened_inside_a_worker(
+    app_factory: AppFactory, redis_server: RedisServer, worker_for: Any
+) -> None:
+    """A task reusing a key for other arguments fails with KeyReuseError (on_duplicate='raise'
+    would have returned the holder there): the reuse surfaces, the child runs once."""
+    rec = _recorder(
+        app_factory, redis_server, None, "kr-worker", on_key_reuse="raise", unique_until="expiry"
+    )
+    child = rec.task
+
+    @rec.app.task(shared=False)
+    def parent() -> str:
+        child.apply_async((3, "2.00"), deduplication_key="order-9")
+        return "published"
+
+    holder = child.apply_async((3, "1.00"), deduplication_key="order-9")
+    worker_for(rec.app)
+    with pytest.raises(KeyReuseError):
+        parent.delay().get(timeout=30)
+    assert holder.get(timeout=30) == "1.00"
+    assert rec.runs == [(3, "1.00")]
