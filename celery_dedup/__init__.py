@@ -23,6 +23,8 @@ from .exceptions import (
     DuplicateTaskError,
     ImproperlyConfigured,
     InvalidOptionError,
+    KeyReuseError,
+    KeyReuseWarning,
     MissingDeduplicationKey,
     ScanNotSupported,
     StoreContention,
@@ -32,11 +34,12 @@ from .exceptions import (
     StoreUnavailable,
 )
 from .identity import Identity, time_bucket
-from .options import Fallback, OnDuplicate
+from .options import Fallback, OnDuplicate, OnKeyReuse
 from .policy import UniqueUntil
 from .results import DeduplicatedResult
 from .signals import (
     dedup_fallback,
+    key_reused,
     lock_acquired,
     lock_released,
     lock_replaced,
@@ -59,9 +62,12 @@ __all__ = [
     "Identity",
     "ImproperlyConfigured",
     "InvalidOptionError",
+    "KeyReuseError",
+    "KeyReuseWarning",
     "Lock",
     "MissingDeduplicationKey",
     "OnDuplicate",
+    "OnKeyReuse",
     "RevokeOutcome",
     "ScanNotSupported",
     "StoreContention",
@@ -74,6 +80,7 @@ __all__ = [
     "dedup_key_for",
     "enqueue_many",
     "inspect_lock",
+    "key_reused",
     "lock_acquired",
     "lock_released",
     "lock_replaced",

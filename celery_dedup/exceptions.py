@@ -7,6 +7,8 @@ The hierarchy::
     ├── DedupKeyError (TypeError)              an argument cannot be part of a key
     ├── MissingDeduplicationKey (ValueError)   identity="caller_provided" without a key
     ├── DuplicateTaskError                     on_duplicate="raise" and the key is held
+    │   └── KeyReuseError                      on_key_reuse="raise": the caller's key is held
+    │                                          by a publish with different arguments
     ├── DeduplicationUnavailable (RuntimeError) no usable store and dedup_fallback="closed"
     ├── StoreError                             a store operation failed (never a driver's exception)
     │   ├── StoreUnavailable (ConnectionError) the lock store cannot be reached
@@ -17,6 +19,8 @@ The hierarchy::
     ├── ScanNotSupported (NotImplementedError) the store cannot list its locks (memcached)
     └── ImproperlyConfigured                   unknown store scheme or missing driver
         (also celery.exceptions.ImproperlyConfigured)
+
+``KeyReuseWarning`` (a ``UserWarning``) is what ``on_key_reuse="warn"`` emits.
 
 Context lives in attributes; the holder's task id never enters a message, so
 messages are safe to show to an API client.
@@ -41,6 +45,8 @@ __all__ = [
     "DuplicateTaskError",
     "ImproperlyConfigured",
     "InvalidOptionError",
+    "KeyReuseError",
+    "KeyReuseWarning",
     "MissingDeduplicationKey",
     "ScanNotSupported",
     "StoreContention",
@@ -55,6 +61,10 @@ __all__ = [
 E_DUPLICATE = (
     "{task_name} was already enqueued for this deduplication key within its "
     "deduplication window"
+)
+E_KEY_REUSE = (
+    "{task_name}: this deduplication key is already in use for a call with different "
+    "arguments within its deduplication window; use a new key for different work"
 )
 E_MISSING_KEY = (
     "{task_name} uses identity='caller_provided': pass deduplication_key= "
@@ -149,6 +159,31 @@ class DuplicateTaskError(DedupError):
             f"{type(self).__name__}(task_name={self.task_name!r}, key={self.key!r}, "
             f"ttl={self.ttl!r})"
         )
+
+
+class KeyReuseError(DuplicateTaskError):
+    """A caller-given ``deduplication_key`` is held by a publish with different arguments.
+
+    Raised with ``on_key_reuse="raise"``, before anything is published. An
+    HTTP API maps it to 422 Unprocessable Content (a plain duplicate is 409),
+    as the IETF idempotency-key draft does for a key reused with another
+    payload. The message names neither the holder's task id nor the
+    arguments: it is safe to show to the client.
+    """
+
+    def __init__(
+        self, task_name: str, key: str, existing_task_id: str, ttl: float | None
+    ) -> None:
+        super().__init__(task_name, key, existing_task_id, ttl)
+        self._keep(E_KEY_REUSE.format(task_name=task_name), *self.args)
+
+
+class KeyReuseWarning(UserWarning):
+    """``on_key_reuse="warn"``: a caller-given key is held by a publish with different arguments.
+
+    The call was answered with the holder's result, as a duplicate. Turn it
+    into an error in tests with ``-W error::celery_dedup.KeyReuseWarning``.
+    """
 
 
 class DeduplicationUnavailable(DedupError, RuntimeError):

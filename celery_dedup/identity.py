@@ -294,15 +294,21 @@ class ArgumentBinder:
 
     def bind(self, args: Iterable[Any] | None, kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
         """The arguments of a call as ``{parameter: value}`` with defaults applied."""
+        return self._restrict(self.bind_all(args, kwargs))
+
+    def bind_all(
+        self, args: Iterable[Any] | None, kwargs: Mapping[str, Any] | None
+    ) -> dict[str, Any]:
+        """``bind`` ignoring ``unique_on``: every parameter of the call."""
         arguments = self._bind_simple(args, kwargs)
         if arguments is not None:
-            return self._restrict(arguments)
+            return arguments
         try:
             bound = self.signature.bind(*(args or ()), **(kwargs or {}))
         except TypeError as exc:
             raise TypeError(f"{self.task_name}{self.signature}: {exc}") from None
         bound.apply_defaults()
-        return self._restrict(dict(bound.arguments))
+        return dict(bound.arguments)
 
     def _restrict(self, arguments: dict[str, Any]) -> dict[str, Any]:
         if self.unique_on is None:

@@ -3,7 +3,10 @@
 ``released`` counts the releases of the worker hooks (per ``unique_until``,
 revoked and expired messages, failed publishes); ``released_manual`` the
 releases made outside them: ``celery_dedup.release()``/``revoke()``, the
-CLI, the Django admin and the reaper.
+CLI, the Django admin and the reaper. ``key_reused`` counts calls whose
+``deduplication_key`` was held for different arguments (``on_key_reuse``
+raise or warn); ``coalesced`` counts Django on-commit calls folded into an
+identical one pending in the same transaction.
 
 Counted in-process and added to the store in batches, so counting never
 costs a round trip per call:
@@ -56,6 +59,7 @@ logger = logging.getLogger("celery_dedup")
 #: the counter names
 EVENTS: Final = (
     "acquired", "deduplicated", "released", "released_manual", "fallback", "skipped",
+    "key_reused", "coalesced",
 )
 
 #: the setting that bounds how often counts are written to the store

@@ -25,6 +25,7 @@ from typing import Any, Final, TypeVar
 
 from .exceptions import InvalidOptionError
 from .identity import Identity
+from .key_reuse import OnKeyReuse
 from .native import Native
 from .policy import UniqueUntil
 
@@ -38,6 +39,7 @@ __all__ = [
     "DedupConfigWarning",
     "Fallback",
     "OnDuplicate",
+    "OnKeyReuse",
     "ResolvedOptions",
     "did_you_mean",
     "naming_task",
@@ -215,6 +217,9 @@ SETTINGS: Final[Mapping[str, tuple[Any, Callable[[Any, str], Any]]]] = {
         OnDuplicate.EXISTING,
         lambda v, o: validate_choice(OnDuplicate, v, o),
     ),
+    # Whether a caller's deduplication_key held for different arguments
+    # raises, warns (default: loud, but no upgrade breaks) or is ignored.
+    "dedup_on_key_reuse": (OnKeyReuse.WARN, lambda v, o: validate_choice(OnKeyReuse, v, o)),
     "dedup_fallback": (Fallback.OPEN, lambda v, o: validate_choice(Fallback, v, o)),
     "dedup_send_events": (None, validate_send_events),
     "dedup_metrics_flush_interval": (5.0, validate_flush_interval),
@@ -256,6 +261,7 @@ CALL_OPTIONS: Final[Mapping[str, Callable[[Any, str], Any]]] = {
     "on_duplicate": lambda v, o: validate_choice(OnDuplicate, v, o),
     "identity": lambda v, o: validate_choice(Identity, v, o),
     "deterministic_id": validate_bool,
+    "on_key_reuse": lambda v, o: validate_choice(OnKeyReuse, v, o),
 }
 
 
@@ -294,6 +300,7 @@ TASK_OPTIONS: Final = (
     "unique_on",
     "deduplication_key",
     "deterministic_id",
+    "on_key_reuse",
 )
 
 #: every ``dedup_*`` setting celery-dedup reads
@@ -383,3 +390,5 @@ class ResolvedOptions:
     on_duplicate: OnDuplicate
     deterministic_id: bool
     deduplication_key: str | None
+    #: what a ``deduplication_key`` held for different arguments does
+    on_key_reuse: OnKeyReuse = OnKeyReuse.WARN

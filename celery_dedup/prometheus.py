@@ -21,6 +21,8 @@ metric                                   type     meaning
 ``celery_dedup_released_manual_total``   counter  locks released by hand or the reaper
 ``celery_dedup_fallback_total``          counter  calls that could not use the store
 ``celery_dedup_skipped_total``           counter  tasks a worker skipped (``IGNORED``)
+``celery_dedup_key_reused_total``        counter  keys held for different arguments
+``celery_dedup_coalesced_total``         counter  on-commit calls folded into one
 ``celery_dedup_live_locks``              gauge    locks held right now
 =======================================  =======  ======================================
 
@@ -55,6 +57,10 @@ _HELP: Final = {
     "or by the reaper.",
     "fallback": "Calls celery-dedup published or refused without a lock (store unusable).",
     "skipped": "Tasks a worker skipped because another task held their lock.",
+    "key_reused": "Calls whose deduplication_key was held by a publish with different "
+    "arguments (on_key_reuse raise or warn).",
+    "coalesced": "Django on-commit calls folded into an identical call pending in the "
+    "same transaction.",
 }
 
 #: every metric name as exposed (counters get ``_total`` from the client)

@@ -24,7 +24,7 @@ from .exceptions import DeduplicationUnavailable, ImproperlyConfigured, StoreErr
 from .identity import Identity
 from .metrics import Metrics, flush_interval
 from .native import Native
-from .options import Fallback, OnDuplicate, read_setting, warn_unknown_settings
+from .options import Fallback, OnDuplicate, OnKeyReuse, read_setting, warn_unknown_settings
 from .policy import UniqueUntil
 from .signals import dedup_fallback
 from .stores import derive_store_url, store_from_url
@@ -60,6 +60,7 @@ WATCHED_SETTINGS = (
     "dedup_default_unique_until",
     "dedup_default_identity",
     "dedup_default_on_duplicate",
+    "dedup_on_key_reuse",
     "dedup_fallback",
     "dedup_send_events",
     "dedup_metrics_flush_interval",
@@ -130,6 +131,8 @@ class AppSettings:
     store_options: dict[str, Any] = field(default_factory=dict)
     #: settings-lint ids silenced app-wide (``dedup_silenced_warnings``)
     silenced_warnings: frozenset[str] = frozenset()
+    #: what a caller's key held for different arguments does (``dedup_on_key_reuse``)
+    on_key_reuse: OnKeyReuse = OnKeyReuse.WARN
 
     @classmethod
     def from_conf(cls, conf: Any) -> AppSettings:
@@ -153,6 +156,7 @@ class AppSettings:
             broker_scheme=str(conf.get("broker_url") or "").split(";")[0].partition("://")[0],
             store_options=dict(conf.get("dedup_store_options") or {}),
             silenced_warnings=read_setting(conf, "dedup_silenced_warnings"),
+            on_key_reuse=read_setting(conf, "dedup_on_key_reuse"),
         )
 
 

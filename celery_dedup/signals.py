@@ -21,6 +21,7 @@ from celery.utils.dispatch import Signal
 
 __all__ = [
     "dedup_fallback",
+    "key_reused",
     "lock_acquired",
     "lock_released",
     "lock_replaced",
@@ -94,4 +95,15 @@ dedup_fallback = Signal(
 task_skipped = Signal(
     name="task_skipped",
     providing_args=["key", "task_id", "existing_task_id", "reason"],
+)
+
+#: A call's caller-given ``deduplication_key`` is held by a publish made with
+#: different arguments (compared by fingerprint, see ``on_key_reuse``).
+#: ``existing_task_id`` is the holder; ``action`` is ``"raise"``
+#: (``KeyReuseError`` follows, nothing is published) or ``"warn"`` (a
+#: ``KeyReuseWarning`` follows and the call is answered as a duplicate,
+#: ``task_deduplicated`` included). Sent in the publishing process.
+key_reused = Signal(
+    name="key_reused",
+    providing_args=["key", "existing_task_id", "action"],
 )

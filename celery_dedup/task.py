@@ -15,7 +15,7 @@ from celery.app.routes import Router
 from celery.exceptions import Ignore, Reject, Retry
 from celery.utils import uuid
 
-from . import events, native, worker
+from . import events, key_reuse, native, worker
 from .exceptions import (
     DeduplicationUnavailable,
     DuplicateTaskError,
@@ -38,6 +38,7 @@ from .lifecycle import Held, Outcome, meta_for
 from .lint_calls import lint_call_delay, lint_first_call
 from .options import (
     OnDuplicate,
+    OnKeyReuse,
     ResolvedOptions,
     naming_task,
     pop_call_options,
@@ -85,6 +86,7 @@ _ATTRIBUTES: Mapping[str, Callable[[Any, str], Any]] = {
     "unique_on": _validate_unique_on,
     "deduplication_key": _validate_key_callable,
     "dedup_silenced": validate_lint_ids,
+    "on_key_reuse": lambda v, o: None if v is None else validate_choice(OnKeyReuse, v, o),
 }
 
 
@@ -106,6 +108,8 @@ class TaskConfig:
     routed: bool = False
     #: the task's serializer: keys are computed on the arguments it delivers
     serializer: str = "json"
+    #: what a caller's key held for different arguments does
+    on_key_reuse: OnKeyReuse = OnKeyReuse.WARN
 
     def resolve(self, given: Mapping[str, Any]) -> ResolvedOptions:
         """Apply one call's options (already validated) over the task's."""
@@ -118,6 +122,7 @@ class TaskConfig:
             on_duplicate=given.get("on_duplicate", self.on_duplicate),
             deterministic_id=given.get("deterministic_id", self.deterministic_id),
             deduplication_key=given.get("deduplication_key"),
+            on_key_reuse=given.get("on_key_reuse", self.on_key_reuse),
         )
 
     @cached_property
@@ -130,6 +135,7 @@ class TaskConfig:
             on_duplicate=self.on_duplicate,
             deterministic_id=self.deterministic_id,
             deduplication_key=None,
+            on_key_reuse=self.on_key_reuse,
         )
 
 
@@ -171,6 +177,11 @@ class DedupTask(_Task):
 
     #: Derive the task id from the lock key (uuid5), the same for every producer.
     deterministic_id: bool | None = None
+
+    #: A call's ``deduplication_key`` held for different arguments: ``"raise"``
+    #: (``KeyReuseError``), ``"warn"`` or ``"ignore"``; ``None`` asks
+    #: ``dedup_on_key_reuse`` (default ``"warn"``).
+    on_key_reuse: OnKeyReuse | str | None = None
 
     #: Option names this class uses for something else (the celery-singleton
     #: shim's ``on_duplicate(existing_task_id)`` hook): they are neither
@@ -246,6 +257,7 @@ class DedupTask(_Task):
             ),
             routed=bool(self.app.conf.task_routes) and not getattr(self, "queue", None),
             serializer=str(self.serializer or self.app.conf.task_serializer or "json"),
+            on_key_reuse=_choice(OnKeyReuse, attr("on_key_reuse"), settings.on_key_reuse),
         )
 
     # -- keys --------------------------------------------------------------
@@ -494,7 +506,7 @@ class DedupTask(_Task):
         # given to a chain or a group holds the canvas as one unit for unique_for.
         until = UniqueUntil.EXPIRY if canvas_key else call.unique_until
         replaces = call.on_duplicate is OnDuplicate.REPLACE
-        owner = new_token()
+        owner = self._owner_token(config, call, args, kwargs, options)
         holder_id = str(options.get("group_id") or task_id) if canvas_key else task_id
         meta = meta_for(self, holder_id, until)
         previous: Lock | None = None
@@ -523,7 +535,7 @@ class DedupTask(_Task):
         if holder is not None and holder.owner != owner:
             # (A holder with this call's own token is this call's write, seen
             # again by a client that re-sent the command after losing its reply.)
-            return self._held(call, key, holder, task_id, args, kwargs, options, publish)
+            return self._held(call, key, holder, task_id, args, kwargs, options, publish, owner)
 
         header = LockHeader(key, until, call.unique_for, replaces, owner)
         runtime.metrics.incr(self.name, "acquired")
@@ -574,6 +586,7 @@ class DedupTask(_Task):
         kwargs: Any,
         options: Mapping[str, Any],
         publish: Callable[[str, LockHeader], Any],
+        owner: str = "",
     ) -> Any:
         """What a call whose key is held does.
 
@@ -600,7 +613,26 @@ class DedupTask(_Task):
             or options.get("group_index")
         ):
             return mark_result(publish(task_id, NO_LOCK), key)
+        if key_reuse.conflicts(owner, holder):
+            key_reuse.report(self, call.on_key_reuse, key, holder.task_id, holder.ttl)
         return self._duplicate(call, key, holder, task_id, args, kwargs, options, canvas=canvas)
+
+    def _owner_token(
+        self,
+        config: TaskConfig,
+        call: ResolvedOptions,
+        args: Any,
+        kwargs: Any,
+        options: Mapping[str, Any],
+    ) -> str:
+        """A new owner token; with the fingerprint of the arguments for a caller's key."""
+        if call.deduplication_key is None or call.on_key_reuse is OnKeyReuse.IGNORE:
+            return new_token()
+        sent_args, sent_kwargs = self._as_sent(args, kwargs, options)
+        serializer = str(options.get("serializer") or config.serializer)
+        return key_reuse.token(
+            key_reuse.fingerprint(config.binder, sent_args, sent_kwargs, serializer)
+        )
 
     def _must_not_raise(self, options: Mapping[str, Any]) -> bool:
         """Inside a worker or beat, raising would fail the parent task or the schedule."""
@@ -723,17 +755,32 @@ class DedupTask(_Task):
 
         Celery's ``DjangoTask.delay_on_commit``, which ``base=DedupTask``
         would otherwise lose: the lock is taken and the message published
-        only on commit, so a rolled-back request leaves neither.
+        only on commit, so a rolled-back request leaves neither. Calls with
+        the same lock key in one transaction publish once
+        (``celery_dedup.contrib.django.on_commit``). Returns ``None``.
         """
-        from celery.contrib.django.task import DjangoTask
+        from .contrib.django.on_commit import on_commit
 
-        DjangoTask.delay_on_commit(cast(Any, self), *args, **kwargs)
+        on_commit(self, args, kwargs, {})
 
-    def apply_async_on_commit(self, *args: Any, **kwargs: Any) -> None:
-        """Django: ``apply_async`` once the current transaction commits (nothing on rollback)."""
-        from celery.contrib.django.task import DjangoTask
+    def apply_async_on_commit(
+        self,
+        args: Sequence[Any] | None = None,
+        kwargs: Mapping[str, Any] | None = None,
+        task_id: str | None = None,
+        *,
+        using: str | None = None,
+        **options: Any,
+    ) -> None:
+        """Django: ``apply_async`` once the transaction commits, folded as ``delay_on_commit``.
 
-        DjangoTask.apply_async_on_commit(cast(Any, self), *args, **kwargs)
+        ``using``: the database whose transaction to wait for (default: the default one).
+        """
+        from .contrib.django.on_commit import on_commit
+
+        if task_id is not None:
+            options["task_id"] = task_id
+        on_commit(self, args, kwargs, options, using)
 
     def _is_holder_republish(self, task_id: str | None, options: Mapping[str, Any]) -> bool:
         """A ``retry()`` or ``replace()`` from inside the holder's own execution."""

@@ -288,9 +288,11 @@ def test_stats_counts_and_live_locks(app: Celery) -> None:
     table = dedup("stats")
     assert table.output.splitlines()[0].split() == [
         "TASK", "ACQUIRED", "DEDUPLICATED", "RELEASED", "RELEASED_MANUAL", "FALLBACK", "SKIPPED",
-        "LIVE_LOCKS",
+        "KEY_REUSED", "COALESCED", "LIVE_LOCKS",
     ]
-    assert table.output.splitlines()[1].split() == [SYNC, "1", "4", "0", "1", "0", "0", "0"]
+    assert table.output.splitlines()[1].split() == [
+        SYNC, "1", "4", "0", "1", "0", "0", "0", "0", "0"
+    ]
 
 
 def test_commands_import_default_modules(app: Celery) -> None:

@@ -4,7 +4,9 @@
 last 24 hours, queued, running or already charged (``on_duplicate="raise"``;
 the message never holds the other task's id). ``POST /orders/`` requires an
 ``Idempotency-Key`` header: the same key within 24 hours returns the first
-request's task, with 202.
+request's task, with 202; the same key with a different order is 422
+(``on_key_reuse="raise"``, as the IETF idempotency-key draft answers a key
+reused for another payload).
 
 The views are not in a transaction (no ``ATOMIC_REQUESTS``), so the lock and
 the message exist as soon as the call returns; inside ``atomic()`` use
@@ -20,7 +22,7 @@ from django.http import HttpRequest, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_POST
 
-from celery_dedup import DuplicateTaskError
+from celery_dedup import DuplicateTaskError, KeyReuseError
 
 from .tasks import fulfill_order, process_payment
 
@@ -62,9 +64,15 @@ def create_order(request: HttpRequest) -> JsonResponse:
     data = _body(request)
     if data is None or "order_id" not in data:
         return JsonResponse({"error": "order_id is required"}, status=400)
-    result = fulfill_order.apply_async(
-        (data["order_id"], list(data.get("items") or [])), deduplication_key=f"order:{key}"
-    )
+    try:
+        result = fulfill_order.apply_async(
+            (data["order_id"], list(data.get("items") or [])),
+            deduplication_key=f"order:{key}",
+            on_key_reuse="raise",
+        )
+    except KeyReuseError as exc:
+        # Another order under this key: nothing was queued. Safe to show the client.
+        return JsonResponse({"error": str(exc)}, status=422)
     return JsonResponse(
         {"task_id": result.id, "deduplicated": bool(result.deduplicated)}, status=202
     )

@@ -36,6 +36,10 @@ SAMPLES: dict[type[BaseException], Callable[[], BaseException]] = {
     core.DuplicateTaskError: lambda: core.DuplicateTaskError(
         task_name="t.sync", key="celery-dedup:t.sync:ab", existing_task_id="id-1", ttl=12.5
     ),
+    core.KeyReuseError: lambda: core.KeyReuseError(
+        task_name="t.sync", key="celery-dedup:t.sync:ab", existing_task_id="id-1", ttl=12.5
+    ),
+    core.KeyReuseWarning: lambda: core.KeyReuseWarning("key reused"),
     core.DeduplicationUnavailable: lambda: core.DeduplicationUnavailable(
         "store down", task_name="t.sync", reason="unavailable"
     ),

@@ -25,7 +25,7 @@ def test_signature_set_options_apply(app_factory: AppFactory, worker_for: Any) -
         )
 
     first = job.s(1).set(deduplication_key="k1", unique_for=30).apply_async()
-    second = job.s(2).set(deduplication_key="k1").delay()
+    second = job.s(2).set(deduplication_key="k1", on_key_reuse="ignore").delay()
     assert second.deduplicated is True and second.id == first.id
     worker_for(app)
     assert first.get(timeout=10) == []

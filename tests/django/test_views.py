@@ -67,3 +67,13 @@ def test_order_with_key_is_202_and_idempotent(client_: Client) -> None:
     assert (first.status_code, again.status_code, other.status_code) == (202, 202, 202)
     assert first.json()["deduplicated"] is False and again.json()["deduplicated"] is True
     assert again.json()["task_id"] == first.json()["task_id"] != other.json()["task_id"]
+
+
+def test_order_key_reused_for_another_order_is_422(client_: Client) -> None:
+    """The same Idempotency-Key with a different order: 422, nothing queued, no holder id."""
+    key = {"Idempotency-Key": "k-3"}
+    first = _post(client_, "/orders/", {"order_id": 8, "items": ["book"]}, **key)
+    other = _post(client_, "/orders/", {"order_id": 8, "items": ["pen"]}, **key)
+    assert (first.status_code, other.status_code) == (202, 422)
+    assert "different arguments" in other.json()["error"]
+    assert first.json()["task_id"] not in other.content.decode()

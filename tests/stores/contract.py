@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 
+from celery_dedup import key_reuse
+from celery_dedup.identity import digest
 from celery_dedup.runs import records_of
 from celery_dedup.stores import store_from_url
 from celery_dedup.stores.base import (
@@ -106,6 +108,26 @@ class StoreContract:
         assert store.acquire("k:mine", "owner-a", 30, META) is None
         holder = store.acquire("k:mine", "owner-a", 30, META)
         assert holder is not None and holder.owner == "owner-a"
+
+    def test_fingerprinted_owner_is_kept_verbatim(self, store_case: StoreCase) -> None:
+        """An owner token carrying an arguments fingerprint (``on_key_reuse``) is opaque.
+
+        The producer reads the holder's fingerprint from the owner a
+        conflicting acquire returns, so every store must hand it back byte
+        for byte, and treat it as any token in every other operation.
+        """
+        store = store_case.store
+        fingerprint = digest("canonical arguments")
+        owner = key_reuse.token(fingerprint)
+        assert store.acquire("k:fp", owner, 30, META) is None
+        holder = store.acquire("k:fp", key_reuse.token(digest("other")), 30, OTHER_META)
+        assert holder is not None and holder.owner == owner
+        assert key_reuse.fingerprint_of(holder.owner) == fingerprint
+        claim = store.claim("k:fp", owner, release=False, ttl=None, meta=META)
+        assert claim.outcome is ClaimOutcome.OWNED
+        assert store.extend("k:fp", owner, 40) is True
+        assert store.release("k:fp", owner) is True
+        assert store.get("k:fp") is None
 
     def test_keys_are_independent(self, store_case: StoreCase) -> None:
         """Locks on different keys do not interfere, and keys compare case-sensitively."""

@@ -90,6 +90,7 @@ CHECK_IDS: Final[Mapping[str, str]] = {
     "dedup_lease_ttl": "celery_dedup.E030",
     "dedup_done_ttl": "celery_dedup.E031",
     "dedup_silenced_warnings": "celery_dedup.E032",
+    "dedup_on_key_reuse": "celery_dedup.E040",
 }
 E_UNKNOWN_SCHEME: Final = "celery_dedup.E009"
 E_STORE_OPTIONS: Final = "celery_dedup.E010"

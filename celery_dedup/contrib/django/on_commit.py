@@ -1,0 +1,149 @@
+"""Transaction-scoped coalescing of ``delay_on_commit`` / ``apply_async_on_commit``.
+
+Inside ``transaction.atomic()`` (the default database, as Celery's
+``DjangoTask``; ``apply_async_on_commit(..., using=alias)`` for another), a
+call registers one ``on_commit`` hook per lock key: a later call with the
+same key (the key its lock would use) is folded into the pending one. On
+commit the hook calls ``apply_async`` once: one store round trip, one
+message. A rollback discards the hook: nothing is locked or published.
+
+Savepoints need no bookkeeping of ours. Django drops the hooks registered
+inside a savepoint that rolls back; a folded call was made inside every
+savepoint its pending hook was registered in that is still open, so a
+rollback that drops the hook also undoes the folded call's own part of the
+transaction. The index of pending hooks is rebuilt from the connection's
+hook list whenever Django replaced that list (a savepoint rollback, the
+commit or rollback of the outer block).
+
+Which pending call wins:
+
+- ``on_duplicate="replace"``: the latest. A call folds into the pending
+  one only when their delivered arguments are the same; otherwise it gets
+  its own hook, and on commit each replaces the previous as usual.
+- otherwise the first. A caller-given ``deduplication_key`` pending with
+  different arguments is judged by ``on_key_reuse`` at the call
+  (``KeyReuseError`` is raised there, before anything is registered).
+
+A call that takes no lock (``unique_for=None``, ``identity="always_unique"``
+without a key) is never folded. Outside ``atomic()`` the call is left to
+``transaction.on_commit``: made at once under autocommit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+from django.db import transaction
+
+from ...key_reuse import differ, fingerprint, report
+from ...options import OnDuplicate, ResolvedOptions, pop_call_options
+
+__all__ = ["on_commit"]
+
+#: the attribute of a connection holding ``[hook list, its length, {key: pending call}]``
+_INDEX: Final = "_celery_dedup_on_commit"
+
+
+class _Pending:
+    """One registered ``on_commit`` hook: the call that publishes for its key."""
+
+    __slots__ = ("args", "fingerprint", "key", "kwargs", "options", "task")
+
+    def __init__(
+        self,
+        task: Any,
+        key: str,
+        fingerprint: str | None,
+        args: Sequence[Any] | None,
+        kwargs: Mapping[str, Any] | None,
+        options: Mapping[str, Any],
+    ) -> None:
+        self.task = task
+        self.key = key
+        self.fingerprint = fingerprint
+        self.args = args
+        self.kwargs = kwargs
+        self.options = options
+
+    def __call__(self) -> None:
+        self.task.apply_async(self.args, self.kwargs, **self.options)
+
+
+def on_commit(
+    task: Any,
+    args: Sequence[Any] | None,
+    kwargs: Mapping[str, Any] | None,
+    options: Mapping[str, Any],
+    using: str | None = None,
+) -> None:
+    """``task.apply_async(args, kwargs, **options)`` once the transaction commits, folded.
+
+    ``using`` names the database whose transaction is waited for (default:
+    the default database, as ``transaction.on_commit``). Returns ``None``
+    (as Celery's ``delay_on_commit``): nothing is published before the
+    commit, so there is no task id to hand out yet.
+    """
+    connection = transaction.get_connection(using)
+    if not connection.in_atomic_block:
+        # Django runs it at once (autocommit) or refuses (manual transactions).
+        connection.on_commit(lambda: task.apply_async(args, kwargs, **options))
+        return
+    config = task.dedup_config()
+    call_options = dict(options)
+    given = pop_call_options(call_options, task.name)
+    call: ResolvedOptions = config.resolve(given)
+    key: str | None = None
+    if given.get("unique_for", ...) is not None:
+        queue = task.routed_queue(call_options, args, kwargs)
+        key = task.dedup_key(args, kwargs, call, queue, call_options.get("serializer"))
+    if key is None:
+        connection.on_commit(lambda: task.apply_async(args, kwargs, **options))
+        return
+    serializer = str(options.get("serializer") or config.serializer)
+    mine = fingerprint(config.binder, args, kwargs, serializer)
+    index = _index(connection)
+    pending = index.get(key)
+    if pending is not None:
+        if call.on_duplicate is not OnDuplicate.REPLACE:
+            if call.deduplication_key is not None and differ(mine, pending.fingerprint):
+                report(task, call.on_key_reuse, key, "", None)
+            _fold(task)
+            return
+        if mine is not None and mine == pending.fingerprint:
+            _fold(task)
+            return
+    hook = _Pending(task, key, mine, args, kwargs, dict(options))
+    connection.on_commit(hook)
+    index[key] = hook
+    _remember(connection, index)
+
+
+def _fold(task: Any) -> None:
+    task.dedup_config().runtime.metrics.incr(task.name, "coalesced")
+
+
+def _index(connection: Any) -> dict[str, _Pending]:
+    """``{key: the latest pending hook}`` of the connection's current transaction.
+
+    Django replaces ``run_on_commit`` (never edits it in place) when a
+    savepoint rolls back and when the outer block ends, so a cached index
+    is valid while the list is the same object and has not shrunk.
+    """
+    hooks = connection.run_on_commit
+    cached = getattr(connection, _INDEX, None)
+    if cached is not None and cached[0] is hooks and cached[1] <= len(hooks):
+        index: dict[str, _Pending] = cached[2]
+        return index
+    index = {}
+    for entry in hooks:
+        hook = entry[1]
+        if isinstance(hook, _Pending):
+            index[hook.key] = hook
+    _remember(connection, index)
+    return index
+
+
+def _remember(connection: Any, index: dict[str, _Pending]) -> None:
+    hooks = connection.run_on_commit
+    setattr(connection, _INDEX, [hooks, len(hooks), index])
