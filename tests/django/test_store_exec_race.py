@@ -43,8 +43,10 @@ QUEUE = "exec-race"
 BROKER_DB, RUNS_DB = 52, 53
 #: Redis keys on ``RUNS_DB``: executed bodies, published calls, "producers done", "worker ready"
 RUNS, PUBLISHED, GO, READY = "runs", "published", "go", "ready"
-#: the whole run (producers, executions, release) must fit in this
-BUDGET = 40.0
+#: the whole run (producers, executions, release) must fit in this: a
+#: deadline for a hung run on a loaded machine, not a speed claim (MariaDB
+#: costs four statements per executed task)
+BUDGET = 150.0
 
 
 def _wait(predicate: Callable[[], bool], until: float, what: str) -> None:
