@@ -1,7 +1,7 @@
 """Key reuse: a caller's ``deduplication_key`` held by a publish with different arguments.
 
 A publish whose call passed ``deduplication_key=`` writes a fingerprint of
-its delivered arguments into its owner token (``<secret>.<fingerprint>``).
+its delivered arguments into its owner token (``owner_token``).
 Every store keeps the token opaque and ``acquire`` already returns the
 holder's token to the producer, so the comparison costs no store round trip
 and no schema change. The secret part stays the holder's: a duplicate caller
@@ -22,8 +22,8 @@ from enum import Enum
 from types import FrameType
 from typing import Any, Final
 
+from . import owner_token
 from .exceptions import KeyReuseError, KeyReuseWarning
-from .header import new_token
 from .identity import ArgumentBinder, as_delivered, canonical_json, digest
 from .signals import key_reused
 from .stores.base import Lock
@@ -38,10 +38,7 @@ __all__ = [
     "token",
 ]
 
-#: separates the secret part of an owner token from the fingerprint
-_SEPARATOR: Final = "."
-#: ``new_token()`` is 22 URL-safe characters; a fingerprint is 32 hex digits
-_SECRET_LENGTH: Final = 22
+#: a fingerprint is 32 hex digits
 _FINGERPRINT_LENGTH: Final = 32
 _HEX: Final = frozenset("0123456789abcdef")
 
@@ -79,19 +76,13 @@ def fingerprint(
 
 def token(fingerprint: str | None) -> str:
     """A fresh owner token carrying ``fingerprint`` (a plain token for ``None``)."""
-    secret = new_token()
-    return secret if fingerprint is None else f"{secret}{_SEPARATOR}{fingerprint}"
+    return owner_token.mint(**{owner_token.FINGERPRINT: fingerprint})
 
 
 def fingerprint_of(owner: str) -> str | None:
     """The fingerprint an owner token carries, or ``None`` (plain tokens, task ids)."""
-    secret, separator, found = owner.partition(_SEPARATOR)
-    if (
-        not separator
-        or len(secret) != _SECRET_LENGTH
-        or len(found) != _FINGERPRINT_LENGTH
-        or not _HEX.issuperset(found)
-    ):
+    found = owner_token.facts_of(owner).get(owner_token.FINGERPRINT)
+    if found is None or len(found) != _FINGERPRINT_LENGTH or not _HEX.issuperset(found):
         return None
     return found
 
