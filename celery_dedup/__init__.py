@@ -17,6 +17,7 @@ from . import startup as _startup  # noqa: F401
 from .api import dedup_key_for, inspect_lock, release, revoke
 from .batch import enqueue_many
 from .exceptions import (
+    CancelTimeout,
     DedupError,
     DedupKeyError,
     DeduplicationUnavailable,
@@ -49,6 +50,7 @@ from .task import DedupTask
 __version__ = "0.3.0"
 
 __all__ = [
+    "CancelTimeout",
     "DedupError",
     "DedupKeyError",
     "DedupTask",

@@ -7,6 +7,7 @@ The hierarchy::
     ├── DedupKeyError (TypeError)              an argument cannot be part of a key
     ├── MissingDeduplicationKey (ValueError)   identity="caller_provided" without a key
     ├── DuplicateTaskError                     on_duplicate="raise" and the key is held
+    ├── CancelTimeout (TimeoutError)           on_duplicate="cancel_running": the key stayed held
     ├── DeduplicationUnavailable (RuntimeError) no usable store and dedup_fallback="closed"
     ├── StoreError                             a store operation failed (never a driver's exception)
     │   ├── StoreUnavailable (ConnectionError) the lock store cannot be reached
@@ -35,6 +36,7 @@ from typing import Any
 from celery.exceptions import ImproperlyConfigured as CeleryImproperlyConfigured
 
 __all__ = [
+    "CancelTimeout",
     "DedupError",
     "DedupKeyError",
     "DeduplicationUnavailable",
@@ -59,6 +61,10 @@ E_DUPLICATE = (
 E_MISSING_KEY = (
     "{task_name} uses identity='caller_provided': pass deduplication_key= "
     "(for example an Idempotency-Key header) when enqueueing it"
+)
+E_CANCEL_TIMEOUT = (
+    "{task_name}: the run holding this deduplication key was cancelled but did not free "
+    "the key within {waited:g}s (cancel_wait); nothing was published"
 )
 E_INVALID_OPTION = "{option}={value!r} is not valid; expected {allowed}"
 
@@ -149,6 +155,26 @@ class DuplicateTaskError(DedupError):
             f"{type(self).__name__}(task_name={self.task_name!r}, key={self.key!r}, "
             f"ttl={self.ttl!r})"
         )
+
+
+class CancelTimeout(DedupError, TimeoutError):
+    """``on_duplicate="cancel_running"``: the cancelled holder kept the key past ``cancel_wait``.
+
+    Nothing was published and this call holds no lock. The holder was
+    revoked (it never starts again) and, if running, asked to terminate: it
+    may still end later. ``existing_task_id`` is for server-side use; the
+    message leaves it out.
+    """
+
+    def __init__(
+        self, task_name: str, key: str, existing_task_id: str, waited: float
+    ) -> None:
+        self._keep(E_CANCEL_TIMEOUT.format(task_name=task_name, waited=waited),
+                   task_name, key, existing_task_id, waited)
+        self.task_name = task_name
+        self.key = key
+        self.existing_task_id = existing_task_id
+        self.waited = waited
 
 
 class DeduplicationUnavailable(DedupError, RuntimeError):

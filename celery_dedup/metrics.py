@@ -56,6 +56,7 @@ logger = logging.getLogger("celery_dedup")
 #: the counter names
 EVENTS: Final = (
     "acquired", "deduplicated", "released", "released_manual", "fallback", "skipped",
+    "replaced", "cancelled",
 )
 
 #: the setting that bounds how often counts are written to the store

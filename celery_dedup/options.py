@@ -43,8 +43,11 @@ __all__ = [
     "pop_call_options",
     "validate_bool",
     "validate_choice",
+    "validate_max_wait",
     "validate_setting",
+    "validate_signal",
     "validate_unique_for",
+    "validate_wait",
     "warn_unknown_settings",
     "warn_unknown_task_options",
 ]
@@ -79,6 +82,8 @@ class OnDuplicate(str, Enum):
     RAISE = "raise"
     #: debounce: take the lock over, publish, revoke the old holder
     REPLACE = "replace"
+    #: revoke the queued holder or terminate the running one, wait for the key, publish
+    CANCEL_RUNNING = "cancel_running"
 
 
 class Fallback(str, Enum):
@@ -137,6 +142,34 @@ def validate_positive_seconds(value: Any, option: str) -> float:
             option, value, f"a number of seconds greater than 0 and at most {MAX_SECONDS:.0f}"
         )
     return seconds
+
+
+def validate_wait(value: Any, option: str) -> float:
+    """Seconds to wait: a finite number ``>= 0`` (or a ``timedelta``); 0 does not wait."""
+    if isinstance(value, timedelta):
+        value = value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 3600:
+        raise InvalidOptionError(option, value, "a number of seconds from 0 to 3600")
+    return float(value)
+
+
+def validate_max_wait(value: Any, option: str = "debounce_max_wait") -> float | None:
+    """Seconds greater than 0 (or a ``timedelta``), or ``None`` for "no cap"."""
+    if value is None:
+        return None
+    return validate_positive_seconds(value, option)
+
+
+def validate_signal(value: Any, option: str = "cancel_signal") -> str:
+    """A signal name this platform knows (``"SIGUSR1"``, ``"TERM"``), as ``SIG…``."""
+    import signal
+
+    name = value.upper() if isinstance(value, str) else None
+    if name is not None and not name.startswith("SIG"):
+        name = "SIG" + name
+    if name is None or not isinstance(getattr(signal, name, None), signal.Signals):
+        raise InvalidOptionError(option, value, "a signal name such as 'SIGUSR1' or 'SIGTERM'")
+    return name
 
 
 def validate_bool(value: Any, option: str) -> bool:
@@ -210,6 +243,11 @@ SETTINGS: Final[Mapping[str, tuple[Any, Callable[[Any, str], Any]]]] = {
     # How long a completed run's done marker refuses its late copies; None:
     # unique_for plus the transport's visibility_timeout (at least the lease).
     "dedup_done_ttl": (None, validate_unique_for),
+    # on_duplicate="cancel_running": how long a call waits for the cancelled
+    # holder to free the key, and the signal that terminates a running one
+    # (SIGUSR1: the prefork pool's soft time limit, SoftTimeLimitExceeded).
+    "dedup_cancel_wait": (10.0, validate_wait),
+    "dedup_cancel_signal": ("SIGUSR1", validate_signal),
 }
 
 DEFAULTS: Final[Mapping[str, Any]] = {name: spec[0] for name, spec in SETTINGS.items()}
@@ -236,6 +274,9 @@ CALL_OPTIONS: Final[Mapping[str, Callable[[Any, str], Any]]] = {
     "on_duplicate": lambda v, o: validate_choice(OnDuplicate, v, o),
     "identity": lambda v, o: validate_choice(Identity, v, o),
     "deterministic_id": validate_bool,
+    "debounce_max_wait": validate_max_wait,
+    "cancel_wait": validate_wait,
+    "cancel_signal": validate_signal,
 }
 
 
@@ -274,6 +315,9 @@ TASK_OPTIONS: Final = (
     "unique_on",
     "deduplication_key",
     "deterministic_id",
+    "debounce_max_wait",
+    "cancel_wait",
+    "cancel_signal",
 )
 
 #: every ``dedup_*`` setting celery-dedup reads
@@ -363,3 +407,9 @@ class ResolvedOptions:
     on_duplicate: OnDuplicate
     deterministic_id: bool
     deduplication_key: str | None
+    #: ``replace`` only: a run happens at most this long after its burst's first call
+    debounce_max_wait: float | None = None
+    #: ``cancel_running`` only: seconds to wait for the cancelled holder to free the key
+    cancel_wait: float = 10.0
+    #: ``cancel_running`` only: the signal that terminates a running holder
+    cancel_signal: str = "SIGUSR1"

@@ -65,6 +65,8 @@ WATCHED_SETTINGS = (
     "dedup_revoked_ttl",
     "dedup_lease_ttl",
     "dedup_done_ttl",
+    "dedup_cancel_wait",
+    "dedup_cancel_signal",
     "broker_transport_options",
     "task_send_sent_event",
     "worker_send_task_events",
@@ -125,6 +127,10 @@ class AppSettings:
     #: the broker URL's scheme (``sqs``, ``redis``, ``amqp``…)
     broker_scheme: str = ""
     store_options: dict[str, Any] = field(default_factory=dict)
+    #: ``on_duplicate="cancel_running"``: seconds a call waits for the key (``dedup_cancel_wait``)
+    cancel_wait: float = 10.0
+    #: ``on_duplicate="cancel_running"``: the terminating signal (``dedup_cancel_signal``)
+    cancel_signal: str = "SIGUSR1"
 
     @classmethod
     def from_conf(cls, conf: Any) -> AppSettings:
@@ -147,6 +153,8 @@ class AppSettings:
             native=read_setting(conf, "dedup_native"),
             broker_scheme=str(conf.get("broker_url") or "").split(";")[0].partition("://")[0],
             store_options=dict(conf.get("dedup_store_options") or {}),
+            cancel_wait=read_setting(conf, "dedup_cancel_wait"),
+            cancel_signal=read_setting(conf, "dedup_cancel_signal"),
         )
 
 

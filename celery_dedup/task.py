@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -15,7 +16,7 @@ from celery.app.routes import Router
 from celery.exceptions import Ignore, Reject, Retry
 from celery.utils import uuid
 
-from . import events, native, worker
+from . import cancel, debounce, events, native, worker
 from .exceptions import (
     DeduplicationUnavailable,
     DuplicateTaskError,
@@ -43,7 +44,10 @@ from .options import (
     validate_bool,
     validate_choice,
     validate_key,
+    validate_max_wait,
+    validate_signal,
     validate_unique_for,
+    validate_wait,
     warn_unknown_task_options,
 )
 from .policy import UniqueUntil, lock_ttl
@@ -82,6 +86,9 @@ _ATTRIBUTES: Mapping[str, Callable[[Any, str], Any]] = {
     "deterministic_id": lambda v, o: None if v is None else validate_bool(v, o),
     "unique_on": _validate_unique_on,
     "deduplication_key": _validate_key_callable,
+    "debounce_max_wait": validate_max_wait,
+    "cancel_wait": lambda v, o: None if v is None else validate_wait(v, o),
+    "cancel_signal": lambda v, o: None if v is None else validate_signal(v, o),
 }
 
 
@@ -103,6 +110,11 @@ class TaskConfig:
     routed: bool = False
     #: the task's serializer: keys are computed on the arguments it delivers
     serializer: str = "json"
+    #: ``replace``: the cap of a debounce (``debounce_max_wait``), or ``None``
+    debounce_max_wait: float | None = None
+    #: ``cancel_running``: seconds to wait for the key, and the terminating signal
+    cancel_wait: float = 10.0
+    cancel_signal: str = "SIGUSR1"
 
     def resolve(self, given: Mapping[str, Any]) -> ResolvedOptions:
         """Apply one call's options (already validated) over the task's."""
@@ -115,6 +127,9 @@ class TaskConfig:
             on_duplicate=given.get("on_duplicate", self.on_duplicate),
             deterministic_id=given.get("deterministic_id", self.deterministic_id),
             deduplication_key=given.get("deduplication_key"),
+            debounce_max_wait=given.get("debounce_max_wait", self.debounce_max_wait),
+            cancel_wait=given.get("cancel_wait", self.cancel_wait),
+            cancel_signal=given.get("cancel_signal", self.cancel_signal),
         )
 
     @cached_property
@@ -127,6 +142,9 @@ class TaskConfig:
             on_duplicate=self.on_duplicate,
             deterministic_id=self.deterministic_id,
             deduplication_key=None,
+            debounce_max_wait=self.debounce_max_wait,
+            cancel_wait=self.cancel_wait,
+            cancel_signal=self.cancel_signal,
         )
 
 
@@ -168,6 +186,18 @@ class DedupTask(_Task):
 
     #: Derive the task id from the lock key (uuid5), the same for every producer.
     deterministic_id: bool | None = None
+
+    #: ``on_duplicate="replace"``: a run starts at most this many seconds after
+    #: the first call of its burst, however long the calls keep coming.
+    debounce_max_wait: float | timedelta | None = None
+
+    #: ``on_duplicate="cancel_running"``: seconds a call waits for the cancelled
+    #: holder to free the key; ``None`` asks ``dedup_cancel_wait``.
+    cancel_wait: float | timedelta | None = None
+
+    #: ``on_duplicate="cancel_running"``: the signal terminating a running
+    #: holder; ``None`` asks ``dedup_cancel_signal`` (``"SIGUSR1"``).
+    cancel_signal: str | None = None
 
     #: Option names this class uses for something else (the celery-singleton
     #: shim's ``on_duplicate(existing_task_id)`` hook): they are neither
@@ -239,6 +269,9 @@ class DedupTask(_Task):
             ),
             routed=bool(self.app.conf.task_routes) and not getattr(self, "queue", None),
             serializer=str(self.serializer or self.app.conf.task_serializer or "json"),
+            debounce_max_wait=validate_max_wait(attr("debounce_max_wait")),
+            cancel_wait=_or(attr("cancel_wait"), settings.cancel_wait, validate_wait),
+            cancel_signal=_or(attr("cancel_signal"), settings.cancel_signal, validate_signal),
         )
 
     # -- keys --------------------------------------------------------------
@@ -481,17 +514,37 @@ class DedupTask(_Task):
         # given to a chain or a group holds the canvas as one unit for unique_for.
         until = UniqueUntil.EXPIRY if canvas_key else call.unique_until
         replaces = call.on_duplicate is OnDuplicate.REPLACE
-        owner = new_token()
+        max_wait = call.debounce_max_wait if replaces else None
+        now = time.time()
+        owner = new_token() if max_wait is None else debounce.guess_owner(key, max_wait, now)
         holder_id = str(options.get("group_id") or task_id) if canvas_key else task_id
         meta = meta_for(self, holder_id, until)
         previous: Lock | None = None
         holder: Lock | None = None
+        capped = False
         try:
             store = runtime.store
             if store is None:
                 return self._publish_unlocked(None, key, task_id, publish)
             if replaces:
                 previous = self._take_over(store, key, owner, ttl, meta)
+                if max_wait is not None:
+                    owner, start, holder = debounce.settle_owner(
+                        store, key, owner, previous, ttl, meta, now
+                    )
+                    capped = debounce.cap_eta(options, start, max_wait)
+            elif call.on_duplicate is OnDuplicate.CANCEL_RUNNING:
+                cancel.cancel_and_acquire(
+                    self,
+                    store,
+                    key,
+                    owner,
+                    ttl,
+                    meta,
+                    task_id=task_id,
+                    wait=call.cancel_wait,
+                    signal=call.cancel_signal,
+                )
             else:
                 holder = store.acquire(key, owner, ttl, meta)
         except StoreContention:
@@ -519,7 +572,8 @@ class DedupTask(_Task):
         )
         result = self._publish_locked(store, key, task_id, header, publish, previous)
         if previous is not None:
-            self._revoke_replaced(key, task_id, previous)
+            policy = "replace+max_wait" if max_wait is not None and capped else "replace"
+            self._revoke_replaced(key, task_id, previous, policy)
         return mark_result(result, key, owner)
 
     def _publish_unlocked(
@@ -786,10 +840,17 @@ class DedupTask(_Task):
             duplicate_id=duplicate_id,
         )
 
-    def _revoke_replaced(self, key: str, task_id: str, previous: Lock) -> None:
+    def _revoke_replaced(
+        self, key: str, task_id: str, previous: Lock, policy: str = "replace"
+    ) -> None:
         """Tell workers to drop the replaced message (saves work; its start claim refuses it)."""
+        self.dedup_config().runtime.metrics.incr(self.name, "replaced")
         lock_replaced.send(
-            sender=self, key=key, task_id=task_id, previous_task_id=previous.task_id
+            sender=self,
+            key=key,
+            task_id=task_id,
+            previous_task_id=previous.task_id,
+            policy=policy,
         )
         if previous.task_id == task_id:
             # A deterministic id: revoking it by id would discard the new message too.
@@ -879,6 +940,10 @@ class DedupTask(_Task):
         if request.id == task_id:
             return worker.header_of(request)
         return worker.header_from_main_process(task_id)
+
+
+def _or(value: Any, default: Any, validate: Callable[[Any, str], Any]) -> Any:
+    return default if value is None else validate(value, "")
 
 
 def _choice(enum: Any, value: Any, default: Any) -> Any:

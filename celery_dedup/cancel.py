@@ -1,0 +1,152 @@
+"""``on_duplicate="cancel_running"``: cancel the key's holder, wait for the key, take it.
+
+The new call never takes the key from a running holder: it asks the holder
+to stop and takes the key only once the holder's worker freed it, exactly as
+for any revoke or termination. So a cancelled run and its replacement never
+hold the key together, and the old run's end (owner-checked) can never free
+the new holder's lock.
+
+- A **queued** holder (not started) is revoked in the store: its lock is
+  deleted and its owner token refused at start, in one round trip; the new
+  call then takes the free key.
+- A **running** holder is revoked in the store (its lock is kept while it
+  runs) and terminated with ``cancel_signal`` through the ``dedup_terminate``
+  control command, matched on its owner token. The worker announces the
+  termination and releases the lock (``task_revoked``); the call polls the
+  key until it is free, re-sending the command every second (a command sent
+  while the worker had not yet accepted the message finds no running request).
+- A holder still there after ``cancel_wait`` seconds: ``CancelTimeout``;
+  nothing was published and the call holds no lock (never a double run,
+  never a silent drop).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+
+from .exceptions import CancelTimeout
+from .identity import deterministic_task_id
+from .lifecycle import DedupTaskLike
+from .signals import holder_cancelled
+from .stores.base import Lock, LockStore, RevokeOutcome
+
+__all__ = ["POLICY", "cancel_and_acquire"]
+
+logger = logging.getLogger("celery_dedup")
+
+#: the policy name signals and logs report
+POLICY = "cancel_running"
+
+#: seconds between two looks at the key while a cancelled run ends
+_POLL = 0.05
+_MAX_POLL = 0.5
+#: seconds between two terminate commands to the same run
+_RESEND = 1.0
+
+
+def cancel_and_acquire(
+    task: DedupTaskLike,
+    store: LockStore,
+    key: str,
+    owner: str,
+    ttl: float,
+    meta: Mapping[str, str],
+    *,
+    task_id: str,
+    wait: float,
+    signal: str,
+) -> list[Lock]:
+    """Take ``key`` for ``owner``, cancelling whoever holds it; return the cancelled holders.
+
+    One round trip when the key is free. Raises ``CancelTimeout`` when the
+    key is still held ``wait`` seconds after the first cancel.
+    """
+    runtime = task.dedup_config().runtime
+    deadline = time.monotonic() + wait
+    cancelled: list[Lock] = []
+    terminated_at: dict[str, float] = {}
+    pause = _POLL
+    while True:
+        holder = store.acquire(key, owner, ttl, meta)
+        if holder is None or holder.owner == owner:
+            return cancelled
+        if not cancelled or cancelled[-1].owner != holder.owner:
+            cancelled.append(holder)
+            runtime.metrics.incr(task.name, "cancelled")
+        revoked_ttl = max(holder.ttl, runtime.settings.revoked_ttl)
+        running = holder.started
+        if not running or holder.owner not in terminated_at:
+            # Queued: the lock goes at once. Running: its copies are refused.
+            outcome = store.revoke(key, holder.owner, revoked_ttl)
+            if outcome is RevokeOutcome.RELEASED:
+                _announce(task, key, task_id, holder, running=False, signal=None)
+                _drop_message(task, key, holder)
+                continue
+            running = outcome is RevokeOutcome.RUNNING
+        now = time.monotonic()
+        if running and now - terminated_at.get(holder.owner, -_RESEND) >= _RESEND:
+            if holder.owner not in terminated_at:
+                _announce(task, key, task_id, holder, running=True, signal=signal)
+            terminated_at[holder.owner] = now
+            _terminate(task, holder, signal)
+        if now >= deadline:
+            raise CancelTimeout(task.name, key, holder.task_id, wait)
+        time.sleep(min(pause, max(0.0, deadline - now)))
+        pause = min(pause * 2, _MAX_POLL)
+
+
+def _announce(
+    task: DedupTaskLike,
+    key: str,
+    task_id: str,
+    holder: Lock,
+    *,
+    running: bool,
+    signal: str | None,
+) -> None:
+    logger.info(
+        "celery-dedup: %s[%s] %s by a cancel_running call (%s)",
+        task.name,
+        holder.task_id,
+        "terminated" if running else "revoked",
+        task_id,
+    )
+    if holder_cancelled.receivers:
+        holder_cancelled.send(
+            sender=task,
+            key=key,
+            task_id=task_id,
+            cancelled_task_id=holder.task_id,
+            running=running,
+            signal=signal,
+            policy=POLICY,
+        )
+
+
+def _drop_message(task: DedupTaskLike, key: str, holder: Lock) -> None:
+    """Tell workers to drop the revoked queued message (saves work; its start claim refuses it).
+
+    Never by id for a deterministic id: Celery would discard the new message too.
+    """
+    if holder.task_id == deterministic_task_id(key):
+        return
+    try:
+        task.app.control.revoke(holder.task_id)
+    except Exception:
+        logger.warning(
+            "celery-dedup: could not broadcast revoke of a cancelled task", exc_info=True
+        )
+
+
+def _terminate(task: DedupTaskLike, holder: Lock, signal: str) -> None:
+    """Ask the worker running ``holder`` to terminate it (matched on its owner token)."""
+    try:
+        task.app.control.broadcast(
+            "dedup_terminate", arguments={"token": holder.owner, "signal": signal}
+        )
+    except Exception:
+        logger.warning(
+            "celery-dedup: could not broadcast terminate of a cancelled task", exc_info=True
+        )
