@@ -55,6 +55,8 @@ _HELP: Final = {
     "or by the reaper.",
     "fallback": "Calls celery-dedup published or refused without a lock (store unusable).",
     "skipped": "Tasks a worker skipped because another task held their lock.",
+    "replaced": "Queued holders on_duplicate='replace' took the lock from.",
+    "cancelled": "Holders on_duplicate='cancel_running' revoked (queued) or terminated (running).",
 }
 
 #: every metric name as exposed (counters get ``_total`` from the client)

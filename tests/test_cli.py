@@ -290,7 +290,9 @@ def test_stats_counts_and_live_locks(app: Celery) -> None:
         "TASK", "ACQUIRED", "DEDUPLICATED", "RELEASED", "RELEASED_MANUAL", "FALLBACK", "SKIPPED",
         "REPLACED", "CANCELLED", "LIVE_LOCKS",
     ]
-    assert table.output.splitlines()[1].split() == [SYNC, "1", "4", "0", "1", "0", "0", "0"]
+    assert table.output.splitlines()[1].split() == [
+        SYNC, "1", "4", "0", "1", "0", "0", "0", "0", "0"
+    ]
 
 
 def test_commands_import_default_modules(app: Celery) -> None:
