@@ -120,7 +120,7 @@ def _announce(
             task_id=task_id,
             cancelled_task_id=holder.task_id,
             running=running,
-            signal=signal,
+            terminate_signal=signal,
             policy=POLICY,
         )
 

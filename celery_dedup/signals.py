@@ -76,11 +76,11 @@ lock_replaced = Signal(
 
 #: ``on_duplicate="cancel_running"`` cancelled the holder of ``key``:
 #: ``cancelled_task_id`` was revoked while queued (``running=False``) or asked
-#: to terminate with ``signal`` (``running=True``); ``task_id`` is the call
+#: to terminate with ``terminate_signal`` (``running=True``); ``task_id`` is the call
 #: that will be published once the key is free. Sent in the calling process.
 holder_cancelled = Signal(
     name="holder_cancelled",
-    providing_args=["key", "task_id", "cancelled_task_id", "running", "signal", "policy"],
+    providing_args=["key", "task_id", "cancelled_task_id", "running", "terminate_signal", "policy"],
 )
 
 #: No lock could be used and ``dedup_fallback`` decided: ``reason`` is
