@@ -75,6 +75,8 @@ CHECK_IDS: Final[Mapping[str, str]] = {
     "dedup_revoked_ttl": "celery_dedup.E013",
     "dedup_lease_ttl": "celery_dedup.E030",
     "dedup_done_ttl": "celery_dedup.E031",
+    "dedup_cancel_wait": "celery_dedup.E036",
+    "dedup_cancel_signal": "celery_dedup.E037",
 }
 E_UNKNOWN_SCHEME: Final = "celery_dedup.E009"
 E_STORE_OPTIONS: Final = "celery_dedup.E010"
