@@ -2,8 +2,8 @@
 
 A *burst* starts with the call that finds its key free (or held by a run
 already in progress) and lasts while calls keep replacing the queued
-message. Each replacing call is published with its ETA capped at
-``burst start + debounce_max_wait``, so the burst runs at most
+message. Each call of a burst, its first included, is published with its
+ETA capped at ``burst start + debounce_max_wait``, so the burst runs at most
 ``debounce_max_wait`` seconds after its first call, with the arguments of
 its last call.
 

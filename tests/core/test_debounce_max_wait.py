@@ -106,3 +106,44 @@ def test_max_wait_is_validated(app_factory: AppFactory) -> None:
         job.apply_async((1,), cancel_wait="soon")
     with pytest.raises(InvalidOptionError, match="on_duplicate"):
         job.apply_async((1,), on_duplicate="cancel_everything")
+
+
+def test_a_burst_shared_by_producers_keeps_its_start(store_app: Celery) -> None:
+    """A call that could not guess the burst (another producer made its first call) takes the
+    key again under the burst's start; its ETA is capped from that start."""
+    from datetime import datetime
+
+    from celery.signals import before_task_publish
+
+    from celery_dedup import debounce
+    from celery_dedup.results import owner_of
+
+    app = store_app
+
+    @app.task(base=DedupTask, shared=False, unique_for=60, on_duplicate="replace",
+              debounce_max_wait=2)
+    def job(x: int) -> int:
+        return x
+
+    etas: list[str] = []
+
+    def published(headers: Any = None, **_: Any) -> None:
+        etas.append(headers["eta"])
+
+    before_task_publish.connect(published)
+    try:
+        first = job.apply_async((1,), countdown=30)
+        start = debounce.token_start(owner_of(first) or "")
+        assert start is not None
+        debounce._recent.clear()  # as if the next call came from another process
+        time.sleep(0.1)
+        second = job.apply_async((1,), countdown=30)
+    finally:
+        before_task_publish.disconnect(published)
+    held = inspect_lock(second.deduplication_key, app=app)
+    assert held is not None and held.task_id == second.id
+    assert debounce.token_start(held.owner) == start
+    # Both capped from the burst's start (the first call's own countdown too).
+    for eta in etas:
+        assert datetime.fromisoformat(eta).timestamp() == pytest.approx(start + 2, abs=0.01)
+    assert len(etas) == 2
