@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
+from typing import Any
 
 from .exceptions import CancelTimeout
 from .identity import deterministic_task_id
@@ -32,7 +33,7 @@ from .lifecycle import DedupTaskLike
 from .signals import holder_cancelled
 from .stores.base import Lock, LockStore, RevokeOutcome
 
-__all__ = ["POLICY", "cancel_and_acquire"]
+__all__ = ["POLICY", "cancel_and_acquire", "in_canvas"]
 
 logger = logging.getLogger("celery_dedup")
 
@@ -44,6 +45,15 @@ _POLL = 0.05
 _MAX_POLL = 0.5
 #: seconds between two terminate commands to the same run
 _RESEND = 1.0
+
+
+def in_canvas(options: Mapping[str, Any]) -> bool:
+    """A group or chord member, or a chain step: cancelling would cut its canvas.
+
+    Such a call takes the usual path instead (a held key: published without
+    a lock where the canvas needs it, else the holder's result).
+    """
+    return bool(options.get("group_id") or options.get("chord") or options.get("chain") is not None)
 
 
 def cancel_and_acquire(

@@ -533,7 +533,7 @@ class DedupTask(_Task):
                         store, key, owner, previous, ttl, meta, now
                     )
                     capped = debounce.cap_eta(options, start, max_wait)
-            elif call.on_duplicate is OnDuplicate.CANCEL_RUNNING:
+            elif call.on_duplicate is OnDuplicate.CANCEL_RUNNING and not cancel.in_canvas(options):
                 cancel.cancel_and_acquire(
                     self,
                     store,

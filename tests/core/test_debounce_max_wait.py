@@ -106,6 +106,19 @@ def test_max_wait_is_validated(app_factory: AppFactory) -> None:
         job.apply_async((1,), cancel_wait="soon")
     with pytest.raises(InvalidOptionError, match="on_duplicate"):
         job.apply_async((1,), on_duplicate="cancel_everything")
+    with pytest.raises(InvalidOptionError, match="cancel_signal='SIGNOPE'"):
+
+        @app.task(base=DedupTask, shared=False, on_duplicate="cancel_running",
+                  cancel_signal="SIGNOPE")
+        def bad(x: int) -> int:
+            return x
+
+        assert bad.name  # the task class is built on first use
+
+    app.conf.dedup_cancel_wait = -1
+    with pytest.raises(InvalidOptionError, match="dedup_cancel_wait=-1"):
+        job.delay(1)
+    app.conf.dedup_cancel_wait = None  # the default again
 
 
 def test_a_burst_shared_by_producers_keeps_its_start(store_app: Celery) -> None:
