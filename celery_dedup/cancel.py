@@ -6,9 +6,10 @@ for any revoke or termination. So a cancelled run and its replacement never
 hold the key together, and the old run's end (owner-checked) can never free
 the new holder's lock.
 
-- A **queued** holder (not started) is revoked in the store: its lock is
-  deleted and its owner token refused at start, in one round trip; the new
-  call then takes the free key.
+- A **queued** holder (not started) is taken over and its owner token
+  refused at start: two round trips on a ``QueuedTakeOver`` store (as
+  ``replace``), else a revoke (its lock deleted) and an acquire. If the
+  new call's publish fails, the key goes back to it (``DedupTask._restore``).
 - A **running** holder is revoked in the store (its lock is kept while it
   runs) and terminated with ``cancel_signal`` through the ``dedup_terminate``
   control command, matched on its owner token. The worker announces the
@@ -31,9 +32,9 @@ from .exceptions import CancelTimeout
 from .identity import deterministic_task_id
 from .lifecycle import DedupTaskLike
 from .signals import holder_cancelled
-from .stores.base import Lock, LockStore, RevokeOutcome
+from .stores.base import Lock, LockStore, QueuedTakeOver, RevokeOutcome
 
-__all__ = ["POLICY", "cancel_and_acquire", "in_canvas"]
+__all__ = ["POLICY", "cancel_and_acquire", "dismiss", "in_canvas"]
 
 logger = logging.getLogger("celery_dedup")
 
@@ -67,37 +68,52 @@ def cancel_and_acquire(
     task_id: str,
     wait: float,
     signal: str,
-) -> list[Lock]:
-    """Take ``key`` for ``owner``, cancelling whoever holds it; return the cancelled holders.
+) -> Lock | None:
+    """Take ``key`` for ``owner``, cancelling whoever holds it.
 
-    One round trip when the key is free. Raises ``CancelTimeout`` when the
-    key is still held ``wait`` seconds after the first cancel.
+    Returns the queued holder the key was taken from (revoked: its start is
+    refused), for the caller to restore if its publish fails and to dismiss
+    (``dismiss``) once it succeeded; ``None`` when the key was free or its
+    holder was a running one that ended. One round trip on a free key, two
+    over a queued holder on a ``QueuedTakeOver`` store (as ``replace``).
+    Raises ``CancelTimeout`` when the key is still held ``wait`` seconds
+    after the first cancel.
     """
     runtime = task.dedup_config().runtime
     deadline = time.monotonic() + wait
-    cancelled: list[Lock] = []
     terminated_at: dict[str, float] = {}
     pause = _POLL
     while True:
-        holder = store.acquire(key, owner, ttl, meta)
-        if holder is None or holder.owner == owner:
-            return cancelled
-        if not cancelled or cancelled[-1].owner != holder.owner:
-            cancelled.append(holder)
-            runtime.metrics.incr(task.name, "cancelled")
-        revoked_ttl = max(holder.ttl, runtime.settings.revoked_ttl)
+        revoked_ttl = runtime.settings.revoked_ttl
+        if isinstance(store, QueuedTakeOver):
+            holder = store.take_over_queued(key, owner, ttl, meta)
+            if holder is None or holder.owner == owner:
+                return None
+            if not holder.started:
+                # The key is ours; the marker refuses the holder's start.
+                store.revoke(key, holder.owner, max(holder.ttl, revoked_ttl))
+                return holder
+        else:
+            holder = store.acquire(key, owner, ttl, meta)
+            if holder is None or holder.owner == owner:
+                return None
         running = holder.started
         if not running or holder.owner not in terminated_at:
             # Queued: the lock goes at once. Running: its copies are refused.
-            outcome = store.revoke(key, holder.owner, revoked_ttl)
+            outcome = store.revoke(key, holder.owner, max(holder.ttl, revoked_ttl))
             if outcome is RevokeOutcome.RELEASED:
-                _announce(task, key, task_id, holder, running=False, signal=None)
-                _drop_message(task, key, holder)
+                taken = store.acquire(key, owner, ttl, meta)
+                if taken is None or taken.owner == owner:
+                    return holder
+                # Another call took the freed key: the holder stays cancelled
+                # (this call's publish covers its work); cancel the new one.
+                dismiss(task, key, task_id, holder)
                 continue
             running = outcome is RevokeOutcome.RUNNING
         now = time.monotonic()
         if running and now - terminated_at.get(holder.owner, -_RESEND) >= _RESEND:
             if holder.owner not in terminated_at:
+                runtime.metrics.incr(task.name, "cancelled")
                 _announce(task, key, task_id, holder, running=True, signal=signal)
             terminated_at[holder.owner] = now
             _terminate(task, holder, signal)
@@ -105,6 +121,13 @@ def cancel_and_acquire(
             raise CancelTimeout(task.name, key, holder.task_id, wait)
         time.sleep(min(pause, max(0.0, deadline - now)))
         pause = min(pause * 2, _MAX_POLL)
+
+
+def dismiss(task: DedupTaskLike, key: str, task_id: str, holder: Lock) -> None:
+    """The new call published over the revoked queued ``holder``: report it, drop its message."""
+    task.dedup_config().runtime.metrics.incr(task.name, "cancelled")
+    _announce(task, key, task_id, holder, running=False, signal=None)
+    _drop_message(task, key, holder)
 
 
 def _announce(

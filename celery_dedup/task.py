@@ -514,12 +514,17 @@ class DedupTask(_Task):
         # given to a chain or a group holds the canvas as one unit for unique_for.
         until = UniqueUntil.EXPIRY if canvas_key else call.unique_until
         replaces = call.on_duplicate is OnDuplicate.REPLACE
+        cancels = call.on_duplicate is OnDuplicate.CANCEL_RUNNING and not cancel.in_canvas(options)
+        # A message a newer call may take the key from waits for that call's
+        # publish when it finds its lock gone (it may be given back).
+        takes_over = replaces or cancels
         max_wait = call.debounce_max_wait if replaces else None
         now = time.time()
         owner = new_token() if max_wait is None else debounce.guess_owner(key, max_wait, now)
         holder_id = str(options.get("group_id") or task_id) if canvas_key else task_id
         meta = meta_for(self, holder_id, until)
         previous: Lock | None = None
+        cancelled: Lock | None = None
         holder: Lock | None = None
         capped = False
         try:
@@ -533,8 +538,8 @@ class DedupTask(_Task):
                         store, key, owner, previous, ttl, meta, now
                     )
                     capped = debounce.cap_eta(options, start, max_wait)
-            elif call.on_duplicate is OnDuplicate.CANCEL_RUNNING and not cancel.in_canvas(options):
-                cancel.cancel_and_acquire(
+            elif cancels:
+                cancelled = cancel.cancel_and_acquire(
                     self,
                     store,
                     key,
@@ -555,7 +560,7 @@ class DedupTask(_Task):
             # so it owns and releases such a lock; if nothing is published,
             # the lock is released as soon as the store answers.
             orphan = runtime.add_orphan(key, owner, ttl)
-            header = LockHeader(key, until, call.unique_for, replaces, owner)
+            header = LockHeader(key, until, call.unique_for, takes_over, owner)
             result = self._publish_unlocked(exc, key, task_id, publish, header)
             runtime.forget_orphan(orphan)
             return result
@@ -565,12 +570,16 @@ class DedupTask(_Task):
             # again by a client that re-sent the command after losing its reply.)
             return self._held(call, key, holder, task_id, args, kwargs, options, publish)
 
-        header = LockHeader(key, until, call.unique_for, replaces, owner)
+        header = LockHeader(key, until, call.unique_for, takes_over, owner)
         runtime.metrics.incr(self.name, "acquired")
         lock_acquired.send(
             sender=self, key=key, task_id=task_id, ttl=ttl, policy=header.until.value
         )
-        result = self._publish_locked(store, key, task_id, header, publish, previous)
+        result = self._publish_locked(
+            store, key, task_id, header, publish, previous or cancelled
+        )
+        if cancelled is not None:
+            cancel.dismiss(self, key, task_id, cancelled)
         if previous is not None:
             policy = "replace+max_wait" if max_wait is not None and capped else "replace"
             self._revoke_replaced(key, task_id, previous, policy)
@@ -668,7 +677,7 @@ class DedupTask(_Task):
     def _restore(
         self, store: LockStore, key: str, previous: Lock, release: Callable[[], Any]
     ) -> None:
-        """A replacing publish failed: give the key back to the previous holder.
+        """A replacing (or cancelling) publish failed: give the key back to the previous holder.
 
         The previous holder's revoked marker goes first, then ``release``
         frees this call's lock, then the key is taken for the previous

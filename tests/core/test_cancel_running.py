@@ -21,6 +21,7 @@ import redis
 from billiard.exceptions import SoftTimeLimitExceeded
 from celery import Celery, states
 from celery.signals import task_postrun
+from kombu.exceptions import OperationalError
 
 from celery_dedup import CancelTimeout, DedupTask, inspect_lock
 from celery_dedup.results import owner_of
@@ -30,7 +31,7 @@ from tests.fixtures.postgres import PostgresServer
 from tests.fixtures.redis import RedisServer
 
 from .conftest import AppFactory, wait_until
-from .test_ownership import state_of, texts
+from .test_ownership import FailingProducer, state_of, texts
 from .test_ownership_prefork import ROOT, Worker
 
 pytestmark = pytest.mark.timeout(240)
@@ -212,6 +213,25 @@ def test_queued_holder_is_revoked_and_never_runs(
     time.sleep(1)  # a late copy of the revoked message would have run by now
     events = [e for e in runs(redis_server) if not e.startswith("postrun:")]
     assert events == ["start:latest", "end:latest"]
+
+
+def test_failed_publish_gives_the_key_back_to_the_queued_holder(
+    worker: Worker, redis_server: RedisServer
+) -> None:
+    """A cancelling call whose publish fails leaves the queued holder holding and runnable
+    (unrevoked), as a failed replace does; it then runs once and the call holds nothing."""
+    queued = sync.delay(3, "queued")
+    with app.connection_for_write() as connection, pytest.raises(OperationalError):
+        # The broker fails the publish after the take-over.
+        sync.apply_async((3, "failed"), producer=FailingProducer(connection))
+    held = inspect_lock(queued.deduplication_key, app=app)
+    assert held is not None and held.owner == owner_of(queued)
+    assert held.task_id == queued.id and not held.started
+    worker.start()
+    assert queued.get(timeout=30) == "queued"
+    wait_until(lambda: inspect_lock(queued.deduplication_key, app=app) is None, timeout=10)
+    events = [e for e in runs(redis_server) if not e.startswith("postrun:")]
+    assert events == ["start:queued", "end:queued"]
 
 
 def test_timeout_without_termination_publishes_nothing(

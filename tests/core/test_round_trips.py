@@ -90,7 +90,8 @@ def test_apply_async_costs_one_round_trip(redis_server: RedisServer) -> None:
 
 
 def test_cancel_running_and_capped_debounce_round_trips(redis_server: RedisServer) -> None:
-    """cancel_running: 1 round trip on a free key; a queued holder costs a revoke and a retake.
+    """cancel_running: 1 round trip on a free key; over a queued holder 2, as a replace
+    (take-over of the queued holder + its revoke marker).
 
     A capped replace costs what a replace costs (take-over + revoke) when
     this process made the burst's earlier calls.
@@ -114,7 +115,7 @@ def test_cancel_running_and_capped_debounce_round_trips(redis_server: RedisServe
     cancel.delay(0)
     debounce.apply_async((0,), countdown=1)
     assert measure(client, lambda: cancel.delay(1)) == 1
-    assert measure(client, lambda: cancel.delay(1)) == 3  # acquire, revoke, acquire
+    assert measure(client, lambda: cancel.delay(1)) == 2  # take_over_queued, revoke
     assert measure(client, lambda: debounce.apply_async((2,), countdown=1)) == 1
     assert measure(client, lambda: debounce.apply_async((2,), countdown=1)) == 2
     client.close()
