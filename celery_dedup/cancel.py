@@ -28,11 +28,12 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from .exceptions import CancelTimeout
+from .exceptions import CancelOwnRunError, CancelTimeout
 from .identity import deterministic_task_id
 from .lifecycle import DedupTaskLike
 from .signals import holder_cancelled
 from .stores.base import Lock, LockStore, QueuedTakeOver, RevokeOutcome
+from .worker import header_of
 
 __all__ = ["POLICY", "cancel_and_acquire", "dismiss", "in_canvas"]
 
@@ -97,6 +98,8 @@ def cancel_and_acquire(
             holder = store.acquire(key, owner, ttl, meta)
             if holder is None or holder.owner == owner:
                 return None
+        if holder.started and _is_own_run(task, key, holder):
+            raise CancelOwnRunError(task.name, key, holder.task_id)
         running = holder.started
         if not running or holder.owner not in terminated_at:
             # Queued: the lock goes at once. Running: its copies are refused.
@@ -121,6 +124,23 @@ def cancel_and_acquire(
             raise CancelTimeout(task.name, key, holder.task_id, wait)
         time.sleep(min(pause, max(0.0, deadline - now)))
         pause = min(pause * 2, _MAX_POLL)
+
+
+def _is_own_run(task: DedupTaskLike, key: str, holder: Lock) -> bool:
+    """Whether the running ``holder`` is the worker task making this call.
+
+    It would revoke and terminate itself, then wait for its own end.
+    """
+    current = task.app.current_worker_task
+    if current is None:
+        return False
+    request = current.request
+    header = header_of(request)
+    return (
+        header is not None
+        and header.key == key
+        and header.owner(str(request.id)) == holder.owner
+    )
 
 
 def dismiss(task: DedupTaskLike, key: str, task_id: str, holder: Lock) -> None:

@@ -36,6 +36,7 @@ from typing import Any
 from celery.exceptions import ImproperlyConfigured as CeleryImproperlyConfigured
 
 __all__ = [
+    "CancelOwnRunError",
     "CancelTimeout",
     "DedupError",
     "DedupKeyError",
@@ -65,6 +66,11 @@ E_MISSING_KEY = (
 E_CANCEL_TIMEOUT = (
     "{task_name}: the run holding this deduplication key was cancelled but did not free "
     "the key within {waited:g}s (cancel_wait); nothing was published"
+)
+E_CANCEL_OWN_RUN = (
+    "{task_name}: on_duplicate='cancel_running' was called from inside the run that holds "
+    "this deduplication key; cancelling it would wait for itself. Call it from outside "
+    "that run, or use on_duplicate='replace' or 'existing' for such calls"
 )
 E_INVALID_OPTION = "{option}={value!r} is not valid; expected {allowed}"
 
@@ -175,6 +181,20 @@ class CancelTimeout(DedupError, TimeoutError):
         self.key = key
         self.existing_task_id = existing_task_id
         self.waited = waited
+
+
+class CancelOwnRunError(DedupError, RuntimeError):
+    """``on_duplicate="cancel_running"`` called by the very run that holds the key.
+
+    It would revoke and terminate itself, then wait for its own end until
+    ``cancel_wait``: raised before anything is revoked, published or taken.
+    """
+
+    def __init__(self, task_name: str, key: str, task_id: str) -> None:
+        self._keep(E_CANCEL_OWN_RUN.format(task_name=task_name), task_name, key, task_id)
+        self.task_name = task_name
+        self.key = key
+        self.task_id = task_id
 
 
 class DeduplicationUnavailable(DedupError, RuntimeError):

@@ -23,7 +23,7 @@ from celery import Celery, states
 from celery.signals import task_postrun
 from kombu.exceptions import OperationalError
 
-from celery_dedup import CancelTimeout, DedupTask, inspect_lock
+from celery_dedup import CancelOwnRunError, CancelTimeout, DedupTask, inspect_lock
 from celery_dedup.results import owner_of
 from celery_dedup.runtime import runtime_for
 from celery_dedup.signals import holder_cancelled
@@ -73,6 +73,11 @@ def _sync(doc: int, version: str) -> str:
         except SoftTimeLimitExceeded:
             record("interrupted:old")
             return "interrupted"  # an ordinary end: its (owner-checked) release runs
+    elif version == "self":
+        try:
+            sync.apply_async((doc, "inner"), cancel_wait=30)
+        except CancelOwnRunError as exc:
+            record(f"refused:{type(exc).__name__}")
     elif version == "new":
         deadline = time.monotonic() + 60
         while not _redis().get("go") and time.monotonic() < deadline:
@@ -232,6 +237,30 @@ def test_failed_publish_gives_the_key_back_to_the_queued_holder(
     wait_until(lambda: inspect_lock(queued.deduplication_key, app=app) is None, timeout=10)
     events = [e for e in runs(redis_server) if not e.startswith("postrun:")]
     assert events == ["start:queued", "end:queued"]
+
+
+def test_a_run_cancelling_its_own_key_is_refused(
+    worker: Worker, redis_server: RedisServer
+) -> None:
+    """A body calling its own key with cancel_running would wait for itself: it gets
+    ``CancelOwnRunError`` at once, nothing is revoked or published, and it ends normally."""
+    cancelled: list[dict[str, Any]] = []
+
+    def receiver(sender: Any = None, **kwargs: Any) -> None:
+        cancelled.append(kwargs)
+
+    worker.start()
+    holder_cancelled.connect(receiver)
+    try:
+        outer = sync.delay(4, "self")
+        assert outer.get(timeout=60) == "self"
+    finally:
+        holder_cancelled.disconnect(receiver)
+    wait_until(lambda: inspect_lock(outer.deduplication_key, app=app) is None, timeout=10)
+    assert state_of(app, outer.id) == states.SUCCESS
+    events = [e for e in runs(redis_server) if not e.startswith("postrun:")]
+    assert events == ["start:self", "refused:CancelOwnRunError", "end:self"]
+    assert cancelled == []
 
 
 def test_timeout_without_termination_publishes_nothing(
