@@ -17,6 +17,8 @@ from . import startup as _startup  # noqa: F401
 from .api import dedup_key_for, inspect_lock, release, revoke
 from .batch import enqueue_many
 from .exceptions import (
+    CancelOwnRunError,
+    CancelTimeout,
     DedupError,
     DedupKeyError,
     DeduplicationUnavailable,
@@ -52,6 +54,8 @@ from .task import DedupTask
 __version__ = "0.3.0"
 
 __all__ = [
+    "CancelOwnRunError",
+    "CancelTimeout",
     "DedupError",
     "DedupKeyError",
     "DedupTask",

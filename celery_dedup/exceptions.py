@@ -9,6 +9,8 @@ The hierarchy::
     ├── DuplicateTaskError                     on_duplicate="raise" and the key is held
     │   └── KeyReuseError                      on_key_reuse="raise": the caller's key is held
     │                                          by a publish with different arguments
+    ├── CancelTimeout (TimeoutError)           on_duplicate="cancel_running": the key stayed held
+    ├── CancelOwnRunError (RuntimeError)       cancel_running called by the run holding the key
     ├── DeduplicationUnavailable (RuntimeError) no usable store and dedup_fallback="closed"
     ├── StoreError                             a store operation failed (never a driver's exception)
     │   ├── StoreUnavailable (ConnectionError) the lock store cannot be reached
@@ -39,6 +41,8 @@ from typing import Any
 from celery.exceptions import ImproperlyConfigured as CeleryImproperlyConfigured
 
 __all__ = [
+    "CancelOwnRunError",
+    "CancelTimeout",
     "DedupError",
     "DedupKeyError",
     "DeduplicationUnavailable",
@@ -69,6 +73,15 @@ E_KEY_REUSE = (
 E_MISSING_KEY = (
     "{task_name} uses identity='caller_provided': pass deduplication_key= "
     "(for example an Idempotency-Key header) when enqueueing it"
+)
+E_CANCEL_TIMEOUT = (
+    "{task_name}: the run holding this deduplication key was cancelled but did not free "
+    "the key within {waited:g}s (cancel_wait); nothing was published"
+)
+E_CANCEL_OWN_RUN = (
+    "{task_name}: on_duplicate='cancel_running' was called from inside the run that holds "
+    "this deduplication key; cancelling it would wait for itself. Call it from outside "
+    "that run, or use on_duplicate='replace' or 'existing' for such calls"
 )
 E_INVALID_OPTION = "{option}={value!r} is not valid; expected {allowed}"
 
@@ -184,6 +197,39 @@ class KeyReuseWarning(UserWarning):
     The call was answered with the holder's result, as a duplicate. Turn it
     into an error in tests with ``-W error::celery_dedup.KeyReuseWarning``.
     """
+
+class CancelTimeout(DedupError, TimeoutError):
+    """``on_duplicate="cancel_running"``: the cancelled holder kept the key past ``cancel_wait``.
+
+    Nothing was published and this call holds no lock. The holder was
+    revoked (it never starts again) and, if running, asked to terminate: it
+    may still end later. ``existing_task_id`` is for server-side use; the
+    message leaves it out.
+    """
+
+    def __init__(
+        self, task_name: str, key: str, existing_task_id: str, waited: float
+    ) -> None:
+        self._keep(E_CANCEL_TIMEOUT.format(task_name=task_name, waited=waited),
+                   task_name, key, existing_task_id, waited)
+        self.task_name = task_name
+        self.key = key
+        self.existing_task_id = existing_task_id
+        self.waited = waited
+
+
+class CancelOwnRunError(DedupError, RuntimeError):
+    """``on_duplicate="cancel_running"`` called by the very run that holds the key.
+
+    It would revoke and terminate itself, then wait for its own end until
+    ``cancel_wait``: raised before anything is revoked, published or taken.
+    """
+
+    def __init__(self, task_name: str, key: str, task_id: str) -> None:
+        self._keep(E_CANCEL_OWN_RUN.format(task_name=task_name), task_name, key, task_id)
+        self.task_name = task_name
+        self.key = key
+        self.task_id = task_id
 
 
 class DeduplicationUnavailable(DedupError, RuntimeError):

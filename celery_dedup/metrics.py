@@ -60,6 +60,7 @@ logger = logging.getLogger("celery_dedup")
 EVENTS: Final = (
     "acquired", "deduplicated", "released", "released_manual", "fallback", "skipped",
     "key_reused", "coalesced",
+    "replaced", "cancelled",
 )
 
 #: the setting that bounds how often counts are written to the store

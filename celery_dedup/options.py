@@ -47,8 +47,11 @@ __all__ = [
     "validate_bool",
     "validate_choice",
     "validate_lint_ids",
+    "validate_max_wait",
     "validate_setting",
+    "validate_signal",
     "validate_unique_for",
+    "validate_wait",
     "warn_unknown_settings",
     "warn_unknown_task_options",
 ]
@@ -83,6 +86,8 @@ class OnDuplicate(str, Enum):
     RAISE = "raise"
     #: debounce: take the lock over, publish, revoke the old holder
     REPLACE = "replace"
+    #: revoke the queued holder or terminate the running one, wait for the key, publish
+    CANCEL_RUNNING = "cancel_running"
 
 
 class Fallback(str, Enum):
@@ -141,6 +146,34 @@ def validate_positive_seconds(value: Any, option: str) -> float:
             option, value, f"a number of seconds greater than 0 and at most {MAX_SECONDS:.0f}"
         )
     return seconds
+
+
+def validate_wait(value: Any, option: str) -> float:
+    """Seconds to wait: a finite number ``>= 0`` (or a ``timedelta``); 0 does not wait."""
+    if isinstance(value, timedelta):
+        value = value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 3600:
+        raise InvalidOptionError(option, value, "a number of seconds from 0 to 3600")
+    return float(value)
+
+
+def validate_max_wait(value: Any, option: str = "debounce_max_wait") -> float | None:
+    """Seconds greater than 0 (or a ``timedelta``), or ``None`` for "no cap"."""
+    if value is None:
+        return None
+    return validate_positive_seconds(value, option)
+
+
+def validate_signal(value: Any, option: str = "cancel_signal") -> str:
+    """A signal name this platform knows (``"SIGUSR1"``, ``"TERM"``), as ``SIG…``."""
+    import signal
+
+    name = value.upper() if isinstance(value, str) else None
+    if name is not None and not name.startswith("SIG"):
+        name = "SIG" + name
+    if name is None or not isinstance(getattr(signal, name, None), signal.Signals):
+        raise InvalidOptionError(option, value, "a signal name such as 'SIGUSR1' or 'SIGTERM'")
+    return name
 
 
 def validate_bool(value: Any, option: str) -> bool:
@@ -235,6 +268,11 @@ SETTINGS: Final[Mapping[str, tuple[Any, Callable[[Any, str], Any]]]] = {
     "dedup_done_ttl": (None, validate_unique_for),
     # Settings-lint warnings (celery_dedup.lint) nobody wants to hear again.
     "dedup_silenced_warnings": ((), validate_lint_ids),
+    # on_duplicate="cancel_running": how long a call waits for the cancelled
+    # holder to free the key, and the signal that terminates a running one
+    # (SIGUSR1: the prefork pool's soft time limit, SoftTimeLimitExceeded).
+    "dedup_cancel_wait": (10.0, validate_wait),
+    "dedup_cancel_signal": ("SIGUSR1", validate_signal),
 }
 
 DEFAULTS: Final[Mapping[str, Any]] = {name: spec[0] for name, spec in SETTINGS.items()}
@@ -262,6 +300,9 @@ CALL_OPTIONS: Final[Mapping[str, Callable[[Any, str], Any]]] = {
     "identity": lambda v, o: validate_choice(Identity, v, o),
     "deterministic_id": validate_bool,
     "on_key_reuse": lambda v, o: validate_choice(OnKeyReuse, v, o),
+    "debounce_max_wait": validate_max_wait,
+    "cancel_wait": validate_wait,
+    "cancel_signal": validate_signal,
 }
 
 
@@ -301,6 +342,9 @@ TASK_OPTIONS: Final = (
     "deduplication_key",
     "deterministic_id",
     "on_key_reuse",
+    "debounce_max_wait",
+    "cancel_wait",
+    "cancel_signal",
 )
 
 #: every ``dedup_*`` setting celery-dedup reads
@@ -392,3 +436,9 @@ class ResolvedOptions:
     deduplication_key: str | None
     #: what a ``deduplication_key`` held for different arguments does
     on_key_reuse: OnKeyReuse = OnKeyReuse.WARN
+    #: ``replace`` only: a run happens at most this long after its burst's first call
+    debounce_max_wait: float | None = None
+    #: ``cancel_running`` only: seconds to wait for the cancelled holder to free the key
+    cancel_wait: float = 10.0
+    #: ``cancel_running`` only: the signal that terminates a running holder
+    cancel_signal: str = "SIGUSR1"

@@ -61,6 +61,8 @@ _HELP: Final = {
     "arguments (on_key_reuse raise or warn).",
     "coalesced": "Django on-commit calls folded into an identical call pending in the "
     "same transaction.",
+    "replaced": "Queued holders on_duplicate='replace' took the lock from.",
+    "cancelled": "Holders on_duplicate='cancel_running' revoked (queued) or terminated (running).",
 }
 
 #: every metric name as exposed (counters get ``_total`` from the client)

@@ -69,6 +69,8 @@ WATCHED_SETTINGS = (
     "dedup_lease_ttl",
     "dedup_done_ttl",
     "dedup_silenced_warnings",
+    "dedup_cancel_wait",
+    "dedup_cancel_signal",
     "broker_transport_options",
     "task_send_sent_event",
     "worker_send_task_events",
@@ -133,6 +135,10 @@ class AppSettings:
     silenced_warnings: frozenset[str] = frozenset()
     #: what a caller's key held for different arguments does (``dedup_on_key_reuse``)
     on_key_reuse: OnKeyReuse = OnKeyReuse.WARN
+    #: ``on_duplicate="cancel_running"``: seconds a call waits for the key (``dedup_cancel_wait``)
+    cancel_wait: float = 10.0
+    #: ``on_duplicate="cancel_running"``: the terminating signal (``dedup_cancel_signal``)
+    cancel_signal: str = "SIGUSR1"
 
     @classmethod
     def from_conf(cls, conf: Any) -> AppSettings:
@@ -157,6 +163,8 @@ class AppSettings:
             store_options=dict(conf.get("dedup_store_options") or {}),
             silenced_warnings=read_setting(conf, "dedup_silenced_warnings"),
             on_key_reuse=read_setting(conf, "dedup_on_key_reuse"),
+            cancel_wait=read_setting(conf, "dedup_cancel_wait"),
+            cancel_signal=read_setting(conf, "dedup_cancel_signal"),
         )
 
 

@@ -21,6 +21,7 @@ from celery.utils.dispatch import Signal
 
 __all__ = [
     "dedup_fallback",
+    "holder_cancelled",
     "key_reused",
     "lock_acquired",
     "lock_released",
@@ -66,10 +67,21 @@ lock_released = Signal(
 )
 
 #: ``on_duplicate="replace"`` took a lock over: ``task_id`` is the new holder,
-#: ``previous_task_id`` the one that is being revoked.
+#: ``previous_task_id`` the one that is being revoked; ``policy`` is
+#: ``"replace"``, or ``"replace+max_wait"`` when ``debounce_max_wait`` capped
+#: the new message's ETA.
 lock_replaced = Signal(
     name="lock_replaced",
-    providing_args=["key", "task_id", "previous_task_id"],
+    providing_args=["key", "task_id", "previous_task_id", "policy"],
+)
+
+#: ``on_duplicate="cancel_running"`` cancelled the holder of ``key``:
+#: ``cancelled_task_id`` was revoked while queued (``running=False``) or asked
+#: to terminate with ``terminate_signal`` (``running=True``); ``task_id`` is the call
+#: that will be published once the key is free. Sent in the calling process.
+holder_cancelled = Signal(
+    name="holder_cancelled",
+    providing_args=["key", "task_id", "cancelled_task_id", "running", "terminate_signal", "policy"],
 )
 
 #: No lock could be used and ``dedup_fallback`` decided: ``reason`` is

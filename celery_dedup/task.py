@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -15,7 +16,7 @@ from celery.app.routes import Router
 from celery.exceptions import Ignore, Reject, Retry
 from celery.utils import uuid
 
-from . import events, key_reuse, native, worker
+from . import cancel, debounce, events, key_reuse, native, worker
 from .exceptions import (
     DeduplicationUnavailable,
     DuplicateTaskError,
@@ -46,7 +47,10 @@ from .options import (
     validate_choice,
     validate_key,
     validate_lint_ids,
+    validate_max_wait,
+    validate_signal,
     validate_unique_for,
+    validate_wait,
     warn_unknown_task_options,
 )
 from .policy import UniqueUntil, lock_ttl
@@ -87,6 +91,9 @@ _ATTRIBUTES: Mapping[str, Callable[[Any, str], Any]] = {
     "deduplication_key": _validate_key_callable,
     "dedup_silenced": validate_lint_ids,
     "on_key_reuse": lambda v, o: None if v is None else validate_choice(OnKeyReuse, v, o),
+    "debounce_max_wait": validate_max_wait,
+    "cancel_wait": lambda v, o: None if v is None else validate_wait(v, o),
+    "cancel_signal": lambda v, o: None if v is None else validate_signal(v, o),
 }
 
 
@@ -110,6 +117,11 @@ class TaskConfig:
     serializer: str = "json"
     #: what a caller's key held for different arguments does
     on_key_reuse: OnKeyReuse = OnKeyReuse.WARN
+    #: ``replace``: the cap of a debounce (``debounce_max_wait``), or ``None``
+    debounce_max_wait: float | None = None
+    #: ``cancel_running``: seconds to wait for the key, and the terminating signal
+    cancel_wait: float = 10.0
+    cancel_signal: str = "SIGUSR1"
 
     def resolve(self, given: Mapping[str, Any]) -> ResolvedOptions:
         """Apply one call's options (already validated) over the task's."""
@@ -123,6 +135,9 @@ class TaskConfig:
             deterministic_id=given.get("deterministic_id", self.deterministic_id),
             deduplication_key=given.get("deduplication_key"),
             on_key_reuse=given.get("on_key_reuse", self.on_key_reuse),
+            debounce_max_wait=given.get("debounce_max_wait", self.debounce_max_wait),
+            cancel_wait=given.get("cancel_wait", self.cancel_wait),
+            cancel_signal=given.get("cancel_signal", self.cancel_signal),
         )
 
     @cached_property
@@ -136,6 +151,9 @@ class TaskConfig:
             deterministic_id=self.deterministic_id,
             deduplication_key=None,
             on_key_reuse=self.on_key_reuse,
+            debounce_max_wait=self.debounce_max_wait,
+            cancel_wait=self.cancel_wait,
+            cancel_signal=self.cancel_signal,
         )
 
 
@@ -182,6 +200,17 @@ class DedupTask(_Task):
     #: (``KeyReuseError``), ``"warn"`` or ``"ignore"``; ``None`` asks
     #: ``dedup_on_key_reuse`` (default ``"warn"``).
     on_key_reuse: OnKeyReuse | str | None = None
+    #: ``on_duplicate="replace"``: a run starts at most this many seconds after
+    #: the first call of its burst, however long the calls keep coming.
+    debounce_max_wait: float | timedelta | None = None
+
+    #: ``on_duplicate="cancel_running"``: seconds a call waits for the cancelled
+    #: holder to free the key; ``None`` asks ``dedup_cancel_wait``.
+    cancel_wait: float | timedelta | None = None
+
+    #: ``on_duplicate="cancel_running"``: the signal terminating a running
+    #: holder; ``None`` asks ``dedup_cancel_signal`` (``"SIGUSR1"``).
+    cancel_signal: str | None = None
 
     #: Option names this class uses for something else (the celery-singleton
     #: shim's ``on_duplicate(existing_task_id)`` hook): they are neither
@@ -258,6 +287,9 @@ class DedupTask(_Task):
             routed=bool(self.app.conf.task_routes) and not getattr(self, "queue", None),
             serializer=str(self.serializer or self.app.conf.task_serializer or "json"),
             on_key_reuse=_choice(OnKeyReuse, attr("on_key_reuse"), settings.on_key_reuse),
+            debounce_max_wait=validate_max_wait(attr("debounce_max_wait")),
+            cancel_wait=_or(attr("cancel_wait"), settings.cancel_wait, validate_wait),
+            cancel_signal=_or(attr("cancel_signal"), settings.cancel_signal, validate_signal),
         )
 
     # -- keys --------------------------------------------------------------
@@ -506,17 +538,47 @@ class DedupTask(_Task):
         # given to a chain or a group holds the canvas as one unit for unique_for.
         until = UniqueUntil.EXPIRY if canvas_key else call.unique_until
         replaces = call.on_duplicate is OnDuplicate.REPLACE
-        owner = self._owner_token(config, call, args, kwargs, options)
+        cancels = call.on_duplicate is OnDuplicate.CANCEL_RUNNING and not cancel.in_canvas(options)
+        # A message a newer call may take the key from waits for that call's
+        # publish when it finds its lock gone (it may be given back).
+        takes_over = replaces or cancels
+        max_wait = call.debounce_max_wait if replaces else None
+        now = time.time()
+        owner = (
+            self._owner_token(config, call, args, kwargs, options)
+            if max_wait is None
+            # A replacing call is never judged for key reuse: the latest arguments win.
+            else debounce.guess_owner(key, max_wait, now)
+        )
         holder_id = str(options.get("group_id") or task_id) if canvas_key else task_id
         meta = meta_for(self, holder_id, until)
         previous: Lock | None = None
+        cancelled: Lock | None = None
         holder: Lock | None = None
+        capped = False
         try:
             store = runtime.store
             if store is None:
                 return self._publish_unlocked(None, key, task_id, publish)
             if replaces:
                 previous = self._take_over(store, key, owner, ttl, meta)
+                if max_wait is not None:
+                    owner, start, holder = debounce.settle_owner(
+                        store, key, owner, previous, ttl, meta, now
+                    )
+                    capped = debounce.cap_eta(options, start, max_wait)
+            elif cancels:
+                cancelled = cancel.cancel_and_acquire(
+                    self,
+                    store,
+                    key,
+                    owner,
+                    ttl,
+                    meta,
+                    task_id=task_id,
+                    wait=call.cancel_wait,
+                    signal=call.cancel_signal,
+                )
             else:
                 holder = store.acquire(key, owner, ttl, meta)
         except StoreContention:
@@ -527,7 +589,7 @@ class DedupTask(_Task):
             # so it owns and releases such a lock; if nothing is published,
             # the lock is released as soon as the store answers.
             orphan = runtime.add_orphan(key, owner, ttl)
-            header = LockHeader(key, until, call.unique_for, replaces, owner)
+            header = LockHeader(key, until, call.unique_for, takes_over, owner)
             result = self._publish_unlocked(exc, key, task_id, publish, header)
             runtime.forget_orphan(orphan)
             return result
@@ -537,14 +599,19 @@ class DedupTask(_Task):
             # again by a client that re-sent the command after losing its reply.)
             return self._held(call, key, holder, task_id, args, kwargs, options, publish, owner)
 
-        header = LockHeader(key, until, call.unique_for, replaces, owner)
+        header = LockHeader(key, until, call.unique_for, takes_over, owner)
         runtime.metrics.incr(self.name, "acquired")
         lock_acquired.send(
             sender=self, key=key, task_id=task_id, ttl=ttl, policy=header.until.value
         )
-        result = self._publish_locked(store, key, task_id, header, publish, previous)
+        result = self._publish_locked(
+            store, key, task_id, header, publish, previous or cancelled
+        )
+        if cancelled is not None:
+            cancel.dismiss(self, key, task_id, cancelled)
         if previous is not None:
-            self._revoke_replaced(key, task_id, previous)
+            policy = "replace+max_wait" if max_wait is not None and capped else "replace"
+            self._revoke_replaced(key, task_id, previous, policy)
         return mark_result(result, key, owner)
 
     def _publish_unlocked(
@@ -659,7 +726,7 @@ class DedupTask(_Task):
     def _restore(
         self, store: LockStore, key: str, previous: Lock, release: Callable[[], Any]
     ) -> None:
-        """A replacing publish failed: give the key back to the previous holder.
+        """A replacing (or cancelling) publish failed: give the key back to the previous holder.
 
         The previous holder's revoked marker goes first, then ``release``
         frees this call's lock, then the key is taken for the previous
@@ -846,10 +913,17 @@ class DedupTask(_Task):
             duplicate_id=duplicate_id,
         )
 
-    def _revoke_replaced(self, key: str, task_id: str, previous: Lock) -> None:
+    def _revoke_replaced(
+        self, key: str, task_id: str, previous: Lock, policy: str = "replace"
+    ) -> None:
         """Tell workers to drop the replaced message (saves work; its start claim refuses it)."""
+        self.dedup_config().runtime.metrics.incr(self.name, "replaced")
         lock_replaced.send(
-            sender=self, key=key, task_id=task_id, previous_task_id=previous.task_id
+            sender=self,
+            key=key,
+            task_id=task_id,
+            previous_task_id=previous.task_id,
+            policy=policy,
         )
         if previous.task_id == task_id:
             # A deterministic id: revoking it by id would discard the new message too.
@@ -939,6 +1013,10 @@ class DedupTask(_Task):
         if request.id == task_id:
             return worker.header_of(request)
         return worker.header_from_main_process(task_id)
+
+
+def _or(value: Any, default: Any, validate: Callable[[Any, str], Any]) -> Any:
+    return default if value is None else validate(value, "")
 
 
 def _choice(enum: Any, value: Any, default: Any) -> Any:

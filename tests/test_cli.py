@@ -288,7 +288,7 @@ def test_stats_counts_and_live_locks(app: Celery) -> None:
     table = dedup("stats")
     assert table.output.splitlines()[0].split() == [
         "TASK", "ACQUIRED", "DEDUPLICATED", "RELEASED", "RELEASED_MANUAL", "FALLBACK", "SKIPPED",
-        "KEY_REUSED", "COALESCED", "LIVE_LOCKS",
+        "KEY_REUSED", "COALESCED", "REPLACED", "CANCELLED", "LIVE_LOCKS",
     ]
     assert table.output.splitlines()[1].split() == [
         SYNC, "1", "4", "0", "1", "0", "0", "0", "0", "0"

@@ -112,7 +112,7 @@ def test_lock_replaced(app: Celery, receive: Any) -> None:
     assert second.id != first.id
     assert replaced == [
         (task, {"key": first.deduplication_key, "task_id": second.id,
-                "previous_task_id": first.id})
+                "previous_task_id": first.id, "policy": "replace"})
     ]
     assert [kwargs["task_id"] for _, kwargs in acquired] == [first.id, second.id]
 

@@ -46,6 +46,7 @@ __all__ = [
     "Lock",
     "LockMeta",
     "LockStore",
+    "QueuedTakeOver",
     "RevokeOutcome",
     "RunOutcome",
     "RunRecords",
@@ -308,6 +309,25 @@ class RunRecords(Protocol):
 
     def renew_runs(self, runs: Sequence[RunRef], lease: float) -> int:
         """Set the lease of each run its copy holds to ``lease`` seconds; how many."""
+
+
+@runtime_checkable
+class QueuedTakeOver(Protocol):
+    """**Protocol:** a store that can take a key over from a holder that has not started.
+
+    ``on_duplicate="cancel_running"`` then cancels a queued holder in two
+    round trips (this take-over and the revoke marker), as ``replace`` does;
+    a store without it revokes the holder, then acquires (three).
+    """
+
+    def take_over_queued(
+        self, key: str, owner: str, ttl: float, meta: LockMeta
+    ) -> Lock | None:
+        """Make ``owner`` the holder of ``key`` (not started) unless a started holder holds it.
+
+        One round trip, atomic. Returns the previous live holder, or ``None``
+        if the key was free; a started holder is returned and keeps the key.
+        """
 
 
 @runtime_checkable

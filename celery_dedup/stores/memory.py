@@ -115,6 +115,17 @@ class MemoryStore:
             self._new(key, owner, ttl, meta, now)
             return previous
 
+    def take_over_queued(
+        self, key: str, owner: str, ttl: float, meta: LockMeta
+    ) -> Lock | None:
+        """Become the holder unless a started holder holds the key; return the previous."""
+        with self._mutex:
+            now = self.clock()
+            previous = self._live(key, now)
+            if previous is None or not previous.started:
+                self._new(key, owner, ttl, meta, now)
+            return previous
+
     def claim(
         self, key: str, owner: str, *, release: bool, ttl: float | None, meta: LockMeta
     ) -> Claim:

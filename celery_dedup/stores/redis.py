@@ -215,6 +215,32 @@ write(KEYS[1], ARGV[1], ARGV[2], 5)
 return previous
 """
 
+# As TAKE_OVER, but a started holder keeps the key (it is returned, nothing written)
+TAKE_OVER_QUEUED = _PRELUDE + """
+local v, h = read(KEYS[1])
+if v and owns(v, ARGV[3]) then
+    local kept = redis.call('get', KEYS[2])
+    if kept and string.sub(kept, 1, #ARGV[4] + 1) == ARGV[4] .. '|' then
+        local answer = string.sub(kept, #ARGV[4] + 2)
+        if answer == '' then
+            return false
+        end
+        return cjson.decode(answer)
+    end
+end
+local previous = false
+if v then
+    previous = holder(KEYS[1], v, h)
+    if string.byte(v, 1) == 49 then
+        return previous
+    end
+end
+redis.call('set', KEYS[2], ARGV[4] .. '|' .. (previous and cjson.encode(previous) or ''),
+           'PX', 60000)
+write(KEYS[1], ARGV[1], ARGV[2], 5)
+return previous
+"""
+
 # KEYS[1] - lock key
 # KEYS[2] - revoked marker of the owner on this key (same hash slot)
 # ARGV[1] - owner token (encoded)
@@ -569,6 +595,7 @@ class RedisStore:
         self._release: Script = client.register_script(RELEASE)
         self._extend: Script = client.register_script(EXTEND)
         self._take_over: Script = client.register_script(TAKE_OVER)
+        self._take_over_queued: Script = client.register_script(TAKE_OVER_QUEUED)
         self._claim: Script = client.register_script(CLAIM)
         self._settle: Script = client.register_script(SETTLE)
         self._revoke: Script = client.register_script(REVOKE)
@@ -710,6 +737,18 @@ class RedisStore:
         nonce = secrets.token_hex(6)
         args = [record, _ms(ttl), mine, nonce, *_legacy_fields(key, owner, meta)]
         raw = self._run(self._take_over, keys, args)
+        return self._lock(key, raw)
+
+    def take_over_queued(
+        self, key: str, owner: str, ttl: float, meta: LockMeta
+    ) -> Lock | None:
+        """``take_over`` unless a started holder holds the key (one EVALSHA)."""
+        mine = _enc(owner)
+        record = _pack(key, mine, meta, False)
+        keys = [self._k(key), self._marker(key, owner, "replaced")]
+        nonce = secrets.token_hex(6)
+        args = [record, _ms(ttl), mine, nonce, *_legacy_fields(key, owner, meta)]
+        raw = self._run(self._take_over_queued, keys, args)
         return self._lock(key, raw)
 
     def claim(

@@ -87,3 +87,36 @@ def test_apply_async_costs_one_round_trip(redis_server: RedisServer) -> None:
     assert measure(client, lambda: job.delay(3)) == 2
     client.close()
     app.close()
+
+
+def test_cancel_running_and_capped_debounce_round_trips(redis_server: RedisServer) -> None:
+    """cancel_running: 1 round trip on a free key; over a queued holder 2, as a replace
+    (take-over of the queued holder + its revoke marker).
+
+    A capped replace costs what a replace costs (take-over + revoke) when
+    this process made the burst's earlier calls.
+    """
+    client = counting_client(redis_server, 7)
+    client.flushdb()
+    app = Celery("rt-cancel", broker="memory://", backend="cache+memory://", set_as_current=False)
+    app.conf.update(dedup_metrics_flush_interval=3600)
+    runtime_for(app).use_store(RedisStore(client))
+
+    @app.task(base=DedupTask, shared=False, unique_for=30, on_duplicate="cancel_running")
+    def cancel(x: int) -> int:
+        return x
+
+    @app.task(base=DedupTask, shared=False, unique_for=30, on_duplicate="replace",
+              debounce_max_wait=5)
+    def debounce(x: int) -> int:
+        return x
+
+    cancel.delay(0)  # loads the scripts
+    cancel.delay(0)
+    debounce.apply_async((0,), countdown=1)
+    assert measure(client, lambda: cancel.delay(1)) == 1
+    assert measure(client, lambda: cancel.delay(1)) == 2  # take_over_queued, revoke
+    assert measure(client, lambda: debounce.apply_async((2,), countdown=1)) == 1
+    assert measure(client, lambda: debounce.apply_async((2,), countdown=1)) == 2
+    client.close()
+    app.close()

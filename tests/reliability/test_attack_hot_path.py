@@ -161,6 +161,32 @@ def test_a_resent_take_over_reports_the_holder_it_replaced(
         store.close()
 
 
+def test_a_resent_queued_take_over_reports_the_holder_it_took_the_key_from(
+    dbs: RedisServer, proxy: LostReplyProxy
+) -> None:
+    """``take_over_queued`` (``cancel_running`` over a queued holder): the same after a lost
+    reply: the re-sent command names the queued holder, which is then revoked."""
+    client = redis.Redis(
+        host="127.0.0.1",
+        port=proxy.port,
+        db=STORE_DB,
+        retry_on_error=[redis.exceptions.ConnectionError],
+    )
+    store = RedisStore(client)
+    try:
+        assert store.take_over_queued("warm", "w", 5, META) is None  # script loaded
+        assert store.acquire("k", "p-token", 60, {**META, "task_id": "p-id"}) is None
+        proxy.arm(store._take_over_queued.sha)
+        previous = store.take_over_queued("k", "c-token", 60, {**META, "task_id": "c-id"})
+        assert proxy.dropped == 1
+        holder = store.get("k")
+        assert holder is not None and holder.owner == "c-token"
+        assert previous is not None
+        assert (previous.owner, previous.task_id) == ("p-token", "p-id")
+    finally:
+        store.close()
+
+
 def test_a_replace_whose_take_over_reply_was_lost_still_refuses_the_replaced_message(
     apps: Callable[..., Celery], proxy: LostReplyProxy, dbs: RedisServer, worker_for: Any
 ) -> None:

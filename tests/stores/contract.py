@@ -26,6 +26,7 @@ from celery_dedup.stores.base import (
     CounterSupport,
     Lock,
     LockStore,
+    QueuedTakeOver,
     RevokeOutcome,
     RunOutcome,
     RunRef,
@@ -204,6 +205,22 @@ class StoreContract:
         assert lock is not None and lock.owner == "owner-a"
         holder = store.acquire("k:tfree", "owner-b", 30, META)
         assert holder is not None and holder.owner == "owner-a"
+
+    def test_take_over_queued_leaves_a_started_holder(self, store_case: StoreCase) -> None:
+        """take_over_queued() takes a free key or one whose holder has not started; a started
+        holder is returned and keeps the key (stores without it: the three-trip fallback)."""
+        store = store_case.store
+        if not isinstance(store, QueuedTakeOver):
+            return  # cancel_running revokes, then acquires (tested through the policy)
+        assert store.take_over_queued("k:tq", "owner-a", 30, META) is None
+        previous = store.take_over_queued("k:tq", "owner-b", 30, OTHER_META)
+        assert previous is not None and previous.owner == "owner-a" and not previous.started
+        claim = store.claim("k:tq", "owner-b", release=False, ttl=None, meta=OTHER_META)
+        assert claim.outcome is ClaimOutcome.OWNED
+        running = store.take_over_queued("k:tq", "owner-c", 30, META)
+        assert running is not None and running.owner == "owner-b" and running.started
+        lock = store.get("k:tq")
+        assert lock is not None and lock.owner == "owner-b" and lock.started
 
     def test_scan_lists_only_the_prefix(self, store_case: StoreCase) -> None:
         """scan(prefix) yields every live lock under the prefix and nothing else."""

@@ -91,6 +91,8 @@ CHECK_IDS: Final[Mapping[str, str]] = {
     "dedup_done_ttl": "celery_dedup.E031",
     "dedup_silenced_warnings": "celery_dedup.E032",
     "dedup_on_key_reuse": "celery_dedup.E040",
+    "dedup_cancel_wait": "celery_dedup.E036",
+    "dedup_cancel_signal": "celery_dedup.E037",
 }
 E_UNKNOWN_SCHEME: Final = "celery_dedup.E009"
 E_STORE_OPTIONS: Final = "celery_dedup.E010"
