@@ -291,7 +291,7 @@ def test_stats_counts_and_live_locks(app: Celery) -> None:
         "KEY_REUSED", "COALESCED", "REPLACED", "CANCELLED", "LIVE_LOCKS",
     ]
     assert table.output.splitlines()[1].split() == [
-        SYNC, "1", "4", "0", "1", "0", "0", "0", "0", "0"
+        SYNC, "1", "4", "0", "1", "0", "0", "0", "0", "0", "0", "0"
     ]
 
 

@@ -40,6 +40,12 @@ SAMPLES: dict[type[BaseException], Callable[[], BaseException]] = {
         task_name="t.sync", key="celery-dedup:t.sync:ab", existing_task_id="id-1", ttl=12.5
     ),
     core.KeyReuseWarning: lambda: core.KeyReuseWarning("key reused"),
+    core.CancelTimeout: lambda: core.CancelTimeout(
+        task_name="t.sync", key="celery-dedup:t.sync:ab", existing_task_id="id-1", waited=10.0
+    ),
+    core.CancelOwnRunError: lambda: core.CancelOwnRunError(
+        task_name="t.sync", key="celery-dedup:t.sync:ab", task_id="id-1"
+    ),
     core.DeduplicationUnavailable: lambda: core.DeduplicationUnavailable(
         "store down", task_name="t.sync", reason="unavailable"
     ),
