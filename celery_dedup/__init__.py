@@ -23,7 +23,9 @@ from .exceptions import (
     DuplicateTaskError,
     ImproperlyConfigured,
     InvalidOptionError,
+    LimitsNotSupported,
     MissingDeduplicationKey,
+    RateLimited,
     ScanNotSupported,
     StoreContention,
     StoreError,
@@ -32,6 +34,7 @@ from .exceptions import (
     StoreUnavailable,
 )
 from .identity import Identity, time_bucket
+from .limits import OnRateLimit
 from .options import Fallback, OnDuplicate
 from .policy import UniqueUntil
 from .results import DeduplicatedResult
@@ -59,9 +62,12 @@ __all__ = [
     "Identity",
     "ImproperlyConfigured",
     "InvalidOptionError",
+    "LimitsNotSupported",
     "Lock",
     "MissingDeduplicationKey",
     "OnDuplicate",
+    "OnRateLimit",
+    "RateLimited",
     "RevokeOutcome",
     "ScanNotSupported",
     "StoreContention",

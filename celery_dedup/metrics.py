@@ -3,7 +3,10 @@
 ``released`` counts the releases of the worker hooks (per ``unique_until``,
 revoked and expired messages, failed publishes); ``released_manual`` the
 releases made outside them: ``celery_dedup.release()``/``revoke()``, the
-CLI, the Django admin and the reaper.
+CLI, the Django admin and the reaper. ``deferred`` counts the messages a
+worker published again for later instead of running them (a copy of a
+running publish, a store that did not answer, a full ``concurrency_limit``);
+``rate_limited`` the calls over ``rate_limit_per_key`` (refused or delayed).
 
 Counted in-process and added to the store in batches, so counting never
 costs a round trip per call:
@@ -56,6 +59,7 @@ logger = logging.getLogger("celery_dedup")
 #: the counter names
 EVENTS: Final = (
     "acquired", "deduplicated", "released", "released_manual", "fallback", "skipped",
+    "deferred", "rate_limited",
 )
 
 #: the setting that bounds how often counts are written to the store
