@@ -45,7 +45,7 @@ def _marks() -> redis.Redis:
     acks_late=True,
     concurrency_limit=1,
     concurrency_key="{user}",
-    concurrency_backoff=0.3,
+    concurrency_backoff=1.0,
 )
 def hold(user: str, item: int) -> int:
     """Item 0 blocks the first time (until its worker is killed); every body records its start.

@@ -147,6 +147,14 @@ def test_killed_worker_slot_comes_back(
     assert isinstance(store, SlotSupport)
     key = concurrency_store_key("celery-dedup", limits_app.hold.name, "u")
     assert store.slots_in_use(key) == 1
+    # Kill once each of them was deferred: a message kombu's Redis transport
+    # popped but had not yet recorded as unacked is lost by any SIGKILL (the
+    # first hop after a publish); a deferred copy waits for its countdown
+    # recorded as unacked, and comes back.
+    log = tmp_path / "first.log"
+    wait_until(
+        lambda: all(f"hold[{r.id}] deferred" in log.read_text() for r in rest), timeout=60
+    )
     os.killpg(workers[0].pid, signal.SIGKILL)
     workers[0].wait(timeout=30)
 
