@@ -61,6 +61,8 @@ __all__ = [
     "limits_of",
     "parse_rate",
     "rate_store_key",
+    "usage",
+    "usage_lines",
 ]
 
 logger = logging.getLogger("celery_dedup")
@@ -477,3 +479,60 @@ def _refused(
         deduplication_key=rate_key,
         duplicate_id=task_id,
     )
+
+
+# -- what the CLI shows ---------------------------------------------------------
+
+
+def usage(task: DedupTask, text: str) -> dict[str, Any]:
+    """The slots and the publish window of one key of ``task`` (its text: ``"user-1"``).
+
+    ``text`` is what the task's key yields for a call: the value of its
+    ``concurrency_key``/``rate_key`` template or callable, or the lock key
+    when the key is the deduplication key. One round trip per limit.
+    """
+    limits = limits_of(task)
+    if limits is None:
+        return {"task": task.name, "key": text}
+    runtime = task.dedup_config().runtime
+    prefix = runtime.settings.key_prefix
+    found: dict[str, Any] = {"task": task.name, "key": text}
+    if limits.concurrency is not None:
+        slots = _slots_of(task, runtime.store)
+        found["concurrency"] = {
+            "limit": limits.concurrency,
+            "in_use": slots.slots_in_use(concurrency_store_key(prefix, task.name, text)),
+        }
+    if limits.rate is not None:
+        rates = _rates_of(task, runtime.store)
+        answer = rates.rate_window(rate_store_key(prefix, task.name, text), limits.rate.period)
+        found["rate"] = {
+            "limit": limits.rate.limit,
+            "period": limits.rate.period,
+            "count": answer.count,
+            "free_in": answer.wait if answer.count >= limits.rate.limit else 0.0,
+            "last_task_id": answer.last,
+        }
+    return found
+
+
+def usage_lines(found: Mapping[str, Any]) -> list[str]:
+    """``usage`` as the CLI prints it."""
+    lines = [f"{found['task']}  key {found['key']!r}"]
+    if "concurrency" not in found and "rate" not in found:
+        return [*lines, "  no concurrency_limit or rate_limit_per_key"]
+    if "concurrency" in found:
+        slots = found["concurrency"]
+        lines.append(f"  concurrency  {slots['in_use']} of {slots['limit']} slots in use")
+    if "rate" in found:
+        rate = found["rate"]
+        line = (
+            f"  rate         {rate['count']} of {rate['limit']} publishes "
+            f"in the last {rate['period']:g}s"
+        )
+        if rate["free_in"]:
+            line += f", next free in {rate['free_in']:.1f}s"
+        lines.append(line)
+        if rate["last_task_id"]:
+            lines.append(f"  last publish {rate['last_task_id']}")
+    return lines

@@ -73,7 +73,10 @@ def ping(user: str, n: int) -> int:
     return n
 
 
-def call_many(user: str, ns: list[int], start_at: float) -> list[tuple[int, str, float, float, float]]:
+Answer = tuple[int, str, float, float, float]
+
+
+def call_many(user: str, ns: list[int], start_at: float) -> list[Answer]:
     """Call ``ping`` for each of ``ns`` from this process, starting at ``start_at`` (wall clock).
 
     Returns ``(n, outcome, before, after, retry_after)`` per call: outcome is
@@ -83,7 +86,7 @@ def call_many(user: str, ns: list[int], start_at: float) -> list[tuple[int, str,
 
     while time.time() < start_at:
         time.sleep(0.001)
-    answers = []
+    answers: list[Answer] = []
     for n in ns:
         before = time.time()
         try:

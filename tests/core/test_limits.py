@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from celery import Celery
 
 from celery_dedup import (
     DedupTask,
@@ -102,7 +101,9 @@ def limits_env(redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> di
     }
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    limits_app.app.conf.update(broker_url=env["TEST_BROKER_URL"], result_backend=env["TEST_BACKEND_URL"])
+    limits_app.app.conf.update(
+        broker_url=env["TEST_BROKER_URL"], result_backend=env["TEST_BACKEND_URL"]
+    )
     return env
 
 
@@ -236,6 +237,35 @@ def test_rate_limit_delay_spreads_publishes(
     assert len(etas) == 45
     # 9 later windows of 5: the last ones are due about 9 minutes from now.
     assert (etas[-1] - etas[0]).total_seconds() >= 7 * 60
+
+
+def test_cli_shows_slots_and_window(limits_env: dict[str, str]) -> None:
+    """``celery dedup limits TASK KEY`` shows the slots in use and the current window."""
+    import json
+
+    from celery.bin.celery import celery
+    from click.testing import CliRunner
+
+    store = runtime_for(limits_app.app).store
+    assert isinstance(store, SlotSupport)
+    key = concurrency_store_key("celery-dedup", limits_app.hold.name, "cli-user")
+    assert store.take_slot(key, "someone", 1, 30) == (True, 1)
+    published = limits_app.ping.delay("cli-user", 1)
+
+    def run(*args: str) -> Any:
+        result = CliRunner().invoke(
+            celery, ["-A", "tests.apps.limits_app:app", "dedup", "limits", *args]
+        )
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    slots = json.loads(run(limits_app.hold.name, "cli-user", "--json"))
+    assert slots["concurrency"] == {"limit": 1, "in_use": 1}
+    window = json.loads(run(limits_app.ping.name, "cli-user", "--json"))
+    assert window["rate"]["count"] == 1
+    assert window["rate"]["last_task_id"] == published.id
+    text = run(limits_app.ping.name, "cli-user")
+    assert "1 of 5 publishes in the last 1s" in text
 
 
 # -- validation and stores ---------------------------------------------------------
