@@ -638,7 +638,7 @@ def stats(ctx: click.Context, /, as_json: bool, **kwargs: Any) -> None:
     """Per-task counters and live locks.
 
     Counters: acquired, deduplicated, released (by workers), released_manual
-    (release/revoke/purge/reap), fallback, skipped.
+    (release/revoke/purge/reap), fallback, skipped, deferred, rate_limited.
     """
     _run(ctx, lambda op: op.stats(as_json))
 
@@ -675,8 +675,9 @@ def check(ctx: click.Context, /, as_json: bool, timeout: float, **kwargs: Any) -
 @_json_option
 @click.pass_context
 def limits(ctx: click.Context, /, task_name: str, key: str, as_json: bool, **kwargs: Any) -> None:
-    """Slot usage and the publish window of one key of a task with per-key limits.
+    """Show one key's slots and rate window.
 
+    For a task with per-key limits (concurrency_limit, rate_limit_per_key).
     KEY is what the task's concurrency_key / rate_key yields for a call
     (e.g. the user "42" for "{user}"), or the full lock key when the limit
     is keyed on the deduplication key.

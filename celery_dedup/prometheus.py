@@ -55,6 +55,9 @@ _HELP: Final = {
     "or by the reaper.",
     "fallback": "Calls celery-dedup published or refused without a lock (store unusable).",
     "skipped": "Tasks a worker skipped because another task held their lock.",
+    "deferred": "Messages a worker published again for later instead of running them "
+    "(a running copy, a store that did not answer, a full concurrency_limit).",
+    "rate_limited": "Calls over rate_limit_per_key (refused or delayed).",
 }
 
 #: every metric name as exposed (counters get ``_total`` from the client)
