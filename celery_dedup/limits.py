@@ -505,12 +505,14 @@ def usage(task: DedupTask, text: str) -> dict[str, Any]:
         }
     if limits.rate is not None:
         rates = _rates_of(task, runtime.store)
-        answer = rates.rate_window(rate_store_key(prefix, task.name, text), limits.rate.period)
+        answer = rates.rate_window(
+            rate_store_key(prefix, task.name, text), limits.rate.limit, limits.rate.period
+        )
         found["rate"] = {
             "limit": limits.rate.limit,
             "period": limits.rate.period,
             "count": answer.count,
-            "free_in": answer.wait if answer.count >= limits.rate.limit else 0.0,
+            "free_in": answer.wait,
             "last_task_id": answer.last,
         }
     return found

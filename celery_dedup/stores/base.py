@@ -388,8 +388,10 @@ class RateSupport(Protocol):
         place, so delayed publishes never exceed the limit either.
         """
 
-    def rate_window(self, key: str, period: float) -> RateAnswer:
-        """The window of ``key`` as it is (nothing counted): its count and its last member."""
+    def rate_window(self, key: str, limit: int, period: float) -> RateAnswer:
+        """The window of ``key`` as it is (nothing counted): its count, its last
+        member and (``wait``) when it has room again under ``limit``.
+        """
 
 
 #: Decides what a driver exception means: the ``StoreError`` class to raise

@@ -80,10 +80,10 @@ class MemoryLimits:
         with self._mutex:
             return self._hit(key, member, limit, period, delay)
 
-    def rate_window(self, key: str, period: float) -> RateAnswer:
+    def rate_window(self, key: str, limit: int, period: float) -> RateAnswer:
         """The window as it is (nothing counted)."""
         with self._mutex:
-            return self._hit(key, "", 1 << 30, period, None)
+            return self._hit(key, "", limit, period, None)
 
     def _hit(
         self, key: str, member: str, limit: int, period: float, delay: bool | None

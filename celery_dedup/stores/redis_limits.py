@@ -175,9 +175,9 @@ class RedisLimits:
         args = [member, limit, _ms(period), "1" if delay else "0"]
         return _answer(self._run(self._limit_scripts["rate"], [self._k(key)], args))
 
-    def rate_window(self, key: str, period: float) -> RateAnswer:
+    def rate_window(self, key: str, limit: int, period: float) -> RateAnswer:
         """The window as it is (one EVALSHA that counts nothing)."""
-        args = ["", 1 << 30, _ms(period), ""]
+        args = ["", limit, _ms(period), ""]
         return _answer(self._run(self._limit_scripts["rate"], [self._k(key)], args))
 
 

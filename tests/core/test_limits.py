@@ -27,6 +27,7 @@ from celery_dedup.stores.base import SlotSupport
 from celery_dedup.stores.memory import MemoryStore
 from tests.apps import limits_app
 from tests.fixtures._servers import stop
+from tests.fixtures._store_case import StoreCase
 from tests.fixtures.redis import RedisServer
 
 from .conftest import AppFactory, wait_until
@@ -44,11 +45,21 @@ def _max_overlap(spans: list[tuple[float, float]]) -> int:
     return most
 
 
+@pytest.mark.parametrize("backend", [
+    pytest.param("redis", id="redis"),
+    pytest.param("postgres", marks=pytest.mark.postgres, id="postgres"),
+])
 def test_concurrency_limit_holds_across_worker_slots(
-    app_factory: AppFactory, worker_for: Any
+    app_factory: AppFactory, worker_for: Any, backend: str, request: pytest.FixtureRequest
 ) -> None:
-    """20 messages of one key, 6 free slots, limit 2: never more than 2 at once, all 20 run."""
-    app = app_factory("limits", dedup_lease_ttl=3)
+    """20 messages of one key, 6 free slots, limit 2: never more than 2 at once, all 20 run.
+
+    Slots in the Redis result backend, or in PostgreSQL.
+    """
+    store_url = None
+    if backend == "postgres":
+        store_url = request.getfixturevalue("store_postgres").url
+    app = app_factory("limits", dedup_lease_ttl=3, dedup_store=store_url)
     spans: dict[str, list[tuple[float, float]]] = {"a": [], "b": []}
     runs: list[tuple[str, int]] = []
     lock = threading.Lock()
@@ -170,10 +181,23 @@ def test_killed_worker_slot_comes_back(
     wait_until(lambda: store.slots_in_use(key) == 0, timeout=30)
 
 
-def _rate_calls(env: dict[str, str], rate: str, on_rate_limit: str) -> list[Any]:
+@pytest.fixture(params=[
+    pytest.param("redis", id="redis"),
+    pytest.param("postgres", marks=pytest.mark.postgres, id="postgres"),
+])
+def rate_store(request: pytest.FixtureRequest, limits_env: dict[str, str]) -> str:
+    """The store the rate is counted in: the Redis result backend, or PostgreSQL (emptied)."""
+    if request.param == "redis":
+        return ""
+    case: StoreCase = request.getfixturevalue("store_postgres")
+    return case.url
+
+
+def _rate_calls(store_url: str, rate: str, on_rate_limit: str) -> list[Any]:
     """50 calls of one rate key from 4 processes started together."""
     os.environ["TEST_RATE"] = rate
     os.environ["TEST_ON_RATE_LIMIT"] = on_rate_limit
+    os.environ["TEST_STORE_URL"] = store_url
     try:
         ctx = multiprocessing.get_context("spawn")
         with ctx.Pool(4) as pool:
@@ -185,6 +209,7 @@ def _rate_calls(env: dict[str, str], rate: str, on_rate_limit: str) -> list[Any]
     finally:
         del os.environ["TEST_RATE"]
         del os.environ["TEST_ON_RATE_LIMIT"]
+        del os.environ["TEST_STORE_URL"]
     return [answer for share in answers for answer in share]
 
 
@@ -196,10 +221,13 @@ def _queued(redis_server: RedisServer) -> list[dict[str, Any]]:
 
 
 def test_rate_limit_per_second_from_four_processes(
-    limits_env: dict[str, str], redis_server: RedisServer
+    rate_store: str, redis_server: RedisServer
 ) -> None:
-    """5/s, 50 calls from 4 processes: never more than 5 in a second; the rest raise."""
-    answers = _rate_calls(limits_env, "5/s", "duplicate")
+    """5/s, 50 calls from 4 processes: never more than 5 in a second; the rest raise.
+
+    On Redis and PostgreSQL.
+    """
+    answers = _rate_calls(rate_store, "5/s", "duplicate")
     published = [a for a in answers if a[1] != "raised"]
     raised = [a for a in answers if a[1] == "raised"]
     assert len(published) + len(raised) == 50
@@ -213,20 +241,22 @@ def test_rate_limit_per_second_from_four_processes(
 
 
 def test_rate_limit_exact_per_window(
-    limits_env: dict[str, str], redis_server: RedisServer
+    rate_store: str, redis_server: RedisServer
 ) -> None:
     """5/m, 50 calls from 4 processes: exactly 5 published, 45 raise ``RateLimited``."""
-    answers = _rate_calls(limits_env, "5/m", "duplicate")
+    answers = _rate_calls(rate_store, "5/m", "duplicate")
+    # Counted in the store under test (PostgreSQL: nothing in Redis).
+    assert bool(redis_server.client(15).keys("celery-dedup-rate:*")) is not bool(rate_store)
     assert sum(a[1] != "raised" for a in answers) == 5
     assert sum(a[1] == "raised" for a in answers) == 45
     assert len(_queued(redis_server)) == 5
 
 
 def test_rate_limit_delay_spreads_publishes(
-    limits_env: dict[str, str], redis_server: RedisServer
+    rate_store: str, redis_server: RedisServer
 ) -> None:
     """on_rate_limit="delay": all 50 are published, 5 now and the rest with an ETA per window."""
-    answers = _rate_calls(limits_env, "5/m", "delay")
+    answers = _rate_calls(rate_store, "5/m", "delay")
     assert all(a[1] != "raised" for a in answers)
     headers = _queued(redis_server)
     assert len(headers) == 50
