@@ -257,10 +257,11 @@ class LimitsNotSupported(ImproperlyConfigured):
 
     def __init__(self, task_name: str, option: str, store: str) -> None:
         message = (
-            f"{task_name}: {option} needs a lock store that keeps "
-            f"{'concurrency slots' if option == 'concurrency_limit' else 'publish rates'} "
-            f"(redis, memory); the configured store {store!r} does not"
+            f"{option} needs a lock store that keeps concurrency slots and publish "
+            f"rates (redis, postgresql, memory); the configured store {store!r} does not"
         )
+        if task_name:
+            message = f"{task_name}: {message}"
         self._keep(message, task_name, option, store)
         self.task_name = task_name
         self.option = option

@@ -339,6 +339,8 @@ def enter(task: DedupTask, request: Any, args: Any, kwargs: Any) -> Slot | None:
     holder = f"{request.id}:{os.urandom(8).hex()}"
     try:
         taken, in_use = store.take_slot(key, holder, limits.concurrency, ttl)
+    except LimitsNotSupported as exc:  # a store of a kind that keeps none (a SQL dialect)
+        raise LimitsNotSupported(task.name, "concurrency_limit", exc.store) from None
     except StoreError as exc:
         if runtime.settings.fallback is Fallback.CLOSED:
             reason = f"the store did not answer: {exc}"
@@ -410,6 +412,9 @@ def admit_publish(
     try:
         rate = limits.rate
         answer = rates.hit_rate(rate_key, task_id, rate.limit, rate.period, delay=delay)
+    except LimitsNotSupported as exc:
+        give_back()
+        raise LimitsNotSupported(task.name, "rate_limit_per_key", exc.store) from None
     except StoreError as exc:
         try:
             runtime.fall_back(task.name, exc)

@@ -96,3 +96,15 @@ def test_rate_window_admits_exactly_the_limit(limited_store: object) -> None:
     ]
     assert all(55 < w <= 60 for w in waits[:5])
     assert all(115 < w <= 120 for w in waits[5:])
+
+
+def test_sqlite_keeps_no_limits(sqlite_url: str) -> None:
+    """A SQL dialect other than PostgreSQL refuses loudly instead of running unlimited."""
+    from celery_dedup import LimitsNotSupported
+
+    store = store_from_url(sqlite_url)
+    assert isinstance(store, SlotSupport) and isinstance(store, RateSupport)
+    with pytest.raises(LimitsNotSupported, match="sqlite"):
+        store.take_slot("k", "h", 1, 10)
+    with pytest.raises(LimitsNotSupported, match="sqlite"):
+        store.hit_rate("k", "m", 1, 10, delay=False)
