@@ -14,6 +14,7 @@ from contextlib import AbstractContextManager
 from functools import cached_property
 from typing import Any
 
+import redis
 from redis.commands.core import Script
 
 from .base import RateAnswer
@@ -152,10 +153,16 @@ class RedisLimits:
             return bool(self.client.zrem(self._k(key), holder))
 
     def renew_slots(self, slots: Sequence[tuple[str, str]], ttl: float) -> int:
-        """Renew every held lease: one pipelined round trip for all of them."""
+        """Renew every held lease: one pipelined round trip for all of them (a cluster:
+        one per slot)."""
         if not slots:
             return 0
         script = self._limit_scripts["renew"]
+        if not isinstance(self.client, redis.Redis):
+            # A cluster client: one EVALSHA per slot, each on its key's primary.
+            return sum(
+                int(self._run(script, [self._k(key)], [holder, _ms(ttl)])) for key, holder in slots
+            )
         with self._boundary():
             pipe = self.client.pipeline(transaction=False)
             for key, holder in slots:

@@ -16,13 +16,15 @@ from tests.fixtures.redis import RedisServer
 
 @pytest.fixture(params=[
     pytest.param("redis", marks=pytest.mark.redis, id="redis"),
+    pytest.param("redis-cluster", marks=pytest.mark.redis_cluster, id="redis-cluster"),
     pytest.param("postgres", marks=pytest.mark.postgres, id="postgres"),
     pytest.param("memory", id="memory"),
 ])
 def limited_store(request: pytest.FixtureRequest) -> Iterator[object]:
     """A store with slots and rates, emptied."""
-    if request.param == "postgres":
-        case: StoreCase = request.getfixturevalue("store_postgres")
+    if request.param in ("postgres", "redis-cluster"):
+        fixture = "store_postgres" if request.param == "postgres" else "store_redis_cluster"
+        case: StoreCase = request.getfixturevalue(fixture)
         yield case.store
         return
     if request.param == "redis":
