@@ -61,6 +61,7 @@ __all__ = [
     "limits_of",
     "parse_rate",
     "rate_store_key",
+    "refuse_native",
     "usage",
     "usage_lines",
 ]
@@ -455,6 +456,16 @@ def admit_unlocked(
         task, on_duplicate, store, None, task_id, args, kwargs, options,
         give_back=lambda: None, extend=lambda wait: None,
     )
+
+
+def refuse_native(task: DedupTask) -> None:
+    """A call deduplicated by its broker (SQS FIFO) takes no store round trip: a
+    task with ``rate_limit_per_key`` cannot be counted there, so it is refused
+    loudly rather than published unlimited.
+    """
+    limits = limits_of(task)
+    if limits is not None and limits.rate is not None:
+        raise LimitsNotSupported(task.name, "rate_limit_per_key", "native")
 
 
 def _delay(options: dict[str, Any], wait: float) -> None:

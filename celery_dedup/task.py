@@ -414,6 +414,7 @@ class DedupTask(_Task):
             return mark_result(publish(task_id, NO_LOCK), None)
         settings = config.runtime.settings
         if native.uses_native(settings.native, settings.broker_scheme, queue_name):
+            limits.refuse_native(self)  # the broker deduplicates: no store counts the rate
             return self._publish_native(call, key, queue_name, task_id, options, publish)
         if task_id is None:
             task_id = deterministic_task_id(key) if call.deterministic_id else uuid()
