@@ -100,6 +100,43 @@ def test_concurrency_limit_holds_across_worker_slots(
     counts.flush()
 
 
+def test_default_concurrency_key_is_the_deduplication_key(
+    app_factory: AppFactory, worker_for: Any
+) -> None:
+    """Without concurrency_key, the lock key is the key: a call published once the
+    lock was released at start waits for the running one; another key does not.
+    """
+    app = app_factory("limits-default", dedup_lease_ttl=3)
+    spans: list[tuple[int, float, float]] = []
+    started = threading.Event()
+    release = threading.Event()
+
+    @app.task(
+        base=DedupTask, shared=False, unique_until="start",
+        concurrency_limit=1, concurrency_backoff=0.1,
+    )
+    def job(n: int) -> int:
+        start = time.monotonic()
+        if not started.is_set():
+            started.set()
+            release.wait(30)
+        spans.append((n, start, time.monotonic()))
+        return n
+
+    worker_for(app, concurrency=4)
+    first = job.delay(1)
+    assert started.wait(30)
+    again = job.delay(1)  # the lock went at start: published
+    other = job.delay(2)
+    assert again.deduplicated is False
+    assert other.get(timeout=60) == 2  # another key runs beside the blocked one
+    release.set()
+    assert first.get(timeout=60) == again.get(timeout=60) == 1
+    ones = sorted((s, e) for n, s, e in spans if n == 1)
+    assert len(ones) == 2
+    assert ones[0][1] <= ones[1][0]  # the same key never overlapped
+
+
 @pytest.fixture
 def limits_env(redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     """Environment of the limits app's processes (broker db 14, backend and store db 15)."""
