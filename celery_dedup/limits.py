@@ -22,51 +22,44 @@ call's arguments, or by default the deduplication key):
 
 Stores keep them through ``SlotSupport`` and ``RateSupport``; a task using
 a limit on a store without them fails loudly (``LimitsNotSupported``).
+This module holds the options, the keys and what the CLI shows; the worker
+side is ``slots``, the producer side ``rates``.
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import inspect
-import logging
-import os
-import random
 import re
 import string
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Final
 
-from .exceptions import InvalidOptionError, LimitsNotSupported, RateLimited, StoreError
+from .exceptions import InvalidOptionError, LimitsNotSupported
 from .identity import digest
-from .options import Fallback, OnDuplicate, naming_task, validate_choice
-from .stores.base import LockStore, RateAnswer, RateSupport, SlotSupport
+from .options import naming_task, validate_choice
+from .stores.base import RateSupport, SlotSupport
 
 if TYPE_CHECKING:
     from .task import DedupTask
 
 __all__ = [
     "LIMIT_OPTIONS",
+    "KeySpec",
     "Limits",
     "OnRateLimit",
     "Rate",
-    "Slot",
-    "admit_publish",
-    "admit_unlocked",
     "concurrency_store_key",
-    "enter",
-    "leave",
+    "key_text",
     "limits_of",
     "parse_rate",
     "rate_store_key",
-    "refuse_native",
+    "rates_of",
+    "slots_of",
     "usage",
     "usage_lines",
 ]
-
-logger = logging.getLogger("celery_dedup")
 
 #: the task attributes this module reads
 LIMIT_OPTIONS: Final = (
@@ -200,7 +193,7 @@ def _build(task: DedupTask) -> Limits | None:
     )
 
 
-def _key_text(
+def key_text(
     task: DedupTask,
     limits: Limits,
     spec: KeySpec,
@@ -233,268 +226,16 @@ def rate_store_key(prefix: str, task_name: str, text: str) -> str:
     return f"{prefix}-rate:{task_name}:{digest(text)}"
 
 
-def _slots_of(task: DedupTask, store: object) -> SlotSupport:
+def slots_of(task: DedupTask, store: object) -> SlotSupport:
     if isinstance(store, SlotSupport):
         return store
     raise LimitsNotSupported(task.name, "concurrency_limit", getattr(store, "name", "none"))
 
 
-def _rates_of(task: DedupTask, store: object) -> RateSupport:
+def rates_of(task: DedupTask, store: object) -> RateSupport:
     if isinstance(store, RateSupport):
         return store
     raise LimitsNotSupported(task.name, "rate_limit_per_key", getattr(store, "name", "none"))
-
-
-# -- the worker: one slot per running body -------------------------------------
-
-
-@dataclass(frozen=True)
-class Slot:
-    """A concurrency slot a running body holds."""
-
-    store: SlotSupport
-    key: str
-    holder: str
-    ttl: float
-
-
-class _Keeper:
-    """Renews the slots held in this process every third of their lease.
-
-    The thread lives in the process that runs the bodies (a pool child):
-    when that process dies, nothing renews its slots and they lapse.
-    """
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.held: dict[str, Slot] = {}
-        self.thread: threading.Thread | None = None
-        self.pid = 0
-        self.interval = 20.0
-        self.wake = threading.Event()
-
-    def add(self, slot: Slot) -> None:
-        with self.lock:
-            self.held[slot.holder] = slot
-            self.interval = min(self.interval, max(slot.ttl / 3.0, 0.05))
-            alive = self.thread is not None and self.thread.is_alive()
-            if not alive or self.pid != os.getpid():
-                self.pid = os.getpid()
-                self.thread = threading.Thread(
-                    target=self.loop, name="celery-dedup-slots", daemon=True
-                )
-                self.thread.start()
-
-    def remove(self, slot: Slot) -> None:
-        with self.lock:
-            self.held.pop(slot.holder, None)
-
-    def loop(self) -> None:
-        while not self.wake.wait(self.interval):
-            self.renew()
-
-    def renew(self) -> int:
-        with self.lock:
-            slots = list(self.held.values())
-        groups: dict[tuple[int, float], tuple[SlotSupport, list[tuple[str, str]]]] = {}
-        for slot in slots:
-            group = groups.setdefault((id(slot.store), slot.ttl), (slot.store, []))
-            group[1].append((slot.key, slot.holder))
-        renewed = 0
-        for (_, ttl), (store, pairs) in groups.items():
-            try:
-                renewed += store.renew_slots(pairs, ttl)
-            except Exception as exc:  # an outage: the next pass tries again
-                logger.warning("celery-dedup: could not renew %d slots: %s", len(pairs), exc)
-        return renewed
-
-
-_keeper = _Keeper()
-
-
-def enter(task: DedupTask, request: Any, args: Any, kwargs: Any) -> Slot | None:
-    """Take a concurrency slot for this body, or defer the message (``Ignore``).
-
-    Returns the slot to give back with ``leave`` (``None``: no limit, an
-    eager call, or a store outage under ``dedup_fallback="open"``).
-    """
-    limits = limits_of(task)
-    if limits is None or limits.concurrency is None or request.is_eager:
-        return None
-    from . import worker
-
-    runtime = task.dedup_config().runtime
-    store = _slots_of(task, runtime.store)
-    header = worker.header_of(request)
-    text = _key_text(
-        task,
-        limits,
-        limits.concurrency_key,
-        "concurrency_key",
-        args,
-        kwargs,
-        None if header is None else header.key,
-    )
-    key = concurrency_store_key(runtime.settings.key_prefix, task.name, text)
-    ttl = runtime.settings.lease_ttl
-    holder = f"{request.id}:{os.urandom(8).hex()}"
-    try:
-        taken, in_use = store.take_slot(key, holder, limits.concurrency, ttl)
-    except LimitsNotSupported as exc:  # a store of a kind that keeps none (a SQL dialect)
-        raise LimitsNotSupported(task.name, "concurrency_limit", exc.store) from None
-    except StoreError as exc:
-        if runtime.settings.fallback is Fallback.CLOSED:
-            reason = f"the store did not answer: {exc}"
-            worker._defer(task, request, args, kwargs, key, reason, None)
-        logger.warning(
-            "celery-dedup: %s[%s] runs without its slot: %s", task.name, request.id, exc
-        )
-        return None
-    if not taken:
-        base = limits.backoff if limits.backoff is not None else ttl / 3.0
-        countdown = base * random.uniform(0.5, 1.0)
-        worker._defer(
-            task,
-            request,
-            args,
-            kwargs,
-            key,
-            f"concurrency limit {limits.concurrency} reached ({in_use} running)",
-            None,
-            countdown=countdown,
-        )
-    slot = Slot(store, key, holder, ttl)
-    _keeper.add(slot)
-    return slot
-
-
-def leave(slot: Slot | None) -> None:
-    """Give the slot back (a store outage leaves it to lapse with its lease)."""
-    if slot is None:
-        return
-    _keeper.remove(slot)
-    try:
-        slot.store.give_slot(slot.key, slot.holder)
-    except StoreError as exc:
-        logger.warning("celery-dedup: could not give a slot back (it lapses): %s", exc)
-
-
-# -- the producer: one window per rate key -------------------------------------
-
-
-def admit_publish(
-    task: DedupTask,
-    on_duplicate: OnDuplicate,
-    store: LockStore,
-    key: str | None,
-    task_id: str,
-    args: Any,
-    kwargs: Any,
-    options: dict[str, Any],
-    *,
-    give_back: Callable[[], Any],
-    extend: Callable[[float], Any],
-) -> Any:
-    """Count this publish in its rate key's window, after its lock was taken.
-
-    Returns ``None`` to publish (``options`` may have gained a countdown and
-    the lock ``extend``-ed by it: ``on_rate_limit="delay"``), or, for a call
-    over the limit, gives the lock back (``give_back``) and raises
-    ``RateLimited`` or returns the most recent admitted publish's handle.
-    """
-    limits = limits_of(task)
-    if limits is None or limits.rate is None:
-        return None
-    runtime = task.dedup_config().runtime
-    rates = _rates_of(task, store)
-    text = _key_text(task, limits, limits.rate_key, "rate_key", args, kwargs, key)
-    rate_key = rate_store_key(runtime.settings.key_prefix, task.name, text)
-    delay = limits.on_rate_limit is OnRateLimit.DELAY
-    try:
-        rate = limits.rate
-        answer = rates.hit_rate(rate_key, task_id, rate.limit, rate.period, delay=delay)
-    except LimitsNotSupported as exc:
-        give_back()
-        raise LimitsNotSupported(task.name, "rate_limit_per_key", exc.store) from None
-    except StoreError as exc:
-        try:
-            runtime.fall_back(task.name, exc)
-        except Exception:
-            give_back()
-            raise
-        return None
-    if answer.admitted:
-        if answer.wait > 0:
-            runtime.metrics.incr(task.name, "rate_limited")
-            _delay(options, answer.wait)
-            try:
-                extend(answer.wait)
-            except StoreError as exc:  # the message still carries its owner token
-                logger.warning("celery-dedup: could not extend a delayed call's lock: %s", exc)
-        return None
-    give_back()
-    runtime.metrics.incr(task.name, "rate_limited")
-    return _refused(task, on_duplicate, rate_key, answer, task_id)
-
-
-def admit_unlocked(
-    task: DedupTask,
-    on_duplicate: OnDuplicate,
-    task_id: str,
-    args: Any,
-    kwargs: Any,
-    options: dict[str, Any],
-) -> Any:
-    """``admit_publish`` for a call that takes no lock (``identity="always_unique"``)."""
-    limits = limits_of(task)
-    if limits is None or limits.rate is None:
-        return None
-    store = task.dedup_config().runtime.store
-    if store is None:
-        raise LimitsNotSupported(task.name, "rate_limit_per_key", "none")
-    return admit_publish(
-        task, on_duplicate, store, None, task_id, args, kwargs, options,
-        give_back=lambda: None, extend=lambda wait: None,
-    )
-
-
-def refuse_native(task: DedupTask) -> None:
-    """A call deduplicated by its broker (SQS FIFO) takes no store round trip: a
-    task with ``rate_limit_per_key`` cannot be counted there, so it is refused
-    loudly rather than published unlimited.
-    """
-    limits = limits_of(task)
-    if limits is not None and limits.rate is not None:
-        raise LimitsNotSupported(task.name, "rate_limit_per_key", "native")
-
-
-def _delay(options: dict[str, Any], wait: float) -> None:
-    eta = options.get("eta")
-    if eta is not None:
-        now = dt.datetime.now(eta.tzinfo) if isinstance(eta, dt.datetime) else None
-        if now is not None:
-            options["eta"] = max(eta, now + dt.timedelta(seconds=wait))
-            return
-    options["countdown"] = max(float(options.get("countdown") or 0.0), wait)
-
-
-def _refused(
-    task: DedupTask, on_duplicate: OnDuplicate, rate_key: str, answer: RateAnswer, task_id: str
-) -> Any:
-    from .results import DeduplicatedResult
-
-    logger.info(
-        "celery-dedup: %s[%s] over its rate limit (retry in %.1fs)", task.name, task_id, answer.wait
-    )
-    if on_duplicate is not OnDuplicate.EXISTING or not answer.last:
-        raise RateLimited(task.name, rate_key, answer.wait, answer.last)
-    return DeduplicatedResult(
-        answer.last,
-        app=task.app,
-        backend=task.backend,
-        deduplication_key=rate_key,
-        duplicate_id=task_id,
-    )
 
 
 # -- what the CLI shows ---------------------------------------------------------
@@ -514,13 +255,13 @@ def usage(task: DedupTask, text: str) -> dict[str, Any]:
     prefix = runtime.settings.key_prefix
     found: dict[str, Any] = {"task": task.name, "key": text}
     if limits.concurrency is not None:
-        slots = _slots_of(task, runtime.store)
+        slots = slots_of(task, runtime.store)
         found["concurrency"] = {
             "limit": limits.concurrency,
             "in_use": slots.slots_in_use(concurrency_store_key(prefix, task.name, text)),
         }
     if limits.rate is not None:
-        rates = _rates_of(task, runtime.store)
+        rates = rates_of(task, runtime.store)
         answer = rates.rate_window(
             rate_store_key(prefix, task.name, text), limits.rate.limit, limits.rate.period
         )

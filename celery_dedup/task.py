@@ -16,7 +16,7 @@ from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry
 from celery.utils import uuid
 
-from . import events, limits, native, worker
+from . import events, native, rates, slots, worker
 from .exceptions import (
     DeduplicationUnavailable,
     DuplicateTaskError,
@@ -406,7 +406,7 @@ class DedupTask(_Task):
             key = self.dedup_key(sent_args, sent_kwargs, call, queue_name, serializer)
         if key is None:
             task_id = task_id or uuid()
-            refused = limits.admit_unlocked(
+            refused = rates.admit_unlocked(
                 self, call.on_duplicate, task_id, sent_args, sent_kwargs, options
             )
             if refused is not None:
@@ -414,7 +414,7 @@ class DedupTask(_Task):
             return mark_result(publish(task_id, NO_LOCK), None)
         settings = config.runtime.settings
         if native.uses_native(settings.native, settings.broker_scheme, queue_name):
-            limits.refuse_native(self)  # the broker deduplicates: no store counts the rate
+            rates.refuse_native(self)  # the broker deduplicates: no store counts the rate
             return self._publish_native(call, key, queue_name, task_id, options, publish)
         if task_id is None:
             task_id = deterministic_task_id(key) if call.deterministic_id else uuid()
@@ -519,7 +519,7 @@ class DedupTask(_Task):
             # (A holder with this call's own token is this call's write, seen
             # again by a client that re-sent the command after losing its reply.)
             return self._held(call, key, holder, task_id, args, kwargs, options, publish)
-        refused = limits.admit_publish(
+        refused = rates.admit_publish(
             self, call.on_duplicate, store, key, task_id, args, kwargs, options,
             give_back=lambda: self._give_back(store, key, owner, task_id, previous),
             extend=lambda wait: store.extend(key, owner, ttl + wait),
@@ -851,11 +851,11 @@ class DedupTask(_Task):
         request = self.request
         if request.called_directly:
             return super().__call__(*args, **kwargs)
-        slot = limits.enter(self, request, args, kwargs)  # a full limit defers the message
+        slot = slots.enter(self, request, args, kwargs)  # a full limit defers the message
         try:
             return self._call_claimed(request, args, kwargs)
         finally:
-            limits.leave(slot)
+            slots.leave(slot)
 
     def _call_claimed(self, request: Context, args: Any, kwargs: Any) -> Any:
         """``__call__`` inside the task's concurrency slot (if it has a limit)."""
