@@ -99,7 +99,10 @@ if ARGV[4] == '' or (at > now and ARGV[4] ~= '1') then
   return {0, at - now, n, last}
 end
 redis.call('ZADD', KEYS[1], at, ARGV[1])
-redis.call('PEXPIRE', KEYS[1], at - now + period)
+-- never shorter than a place reserved earlier (delayed publishes)
+if redis.call('PTTL', KEYS[1]) < at - now + period then
+  redis.call('PEXPIRE', KEYS[1], at - now + period)
+end
 return {1, at - now, n + 1, ARGV[1]}
 """
 
