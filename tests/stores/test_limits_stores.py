@@ -110,3 +110,17 @@ def test_sqlite_keeps_no_limits(sqlite_url: str) -> None:
         store.take_slot("k", "h", 1, 10)
     with pytest.raises(LimitsNotSupported, match="sqlite"):
         store.hit_rate("k", "m", 1, 10, delay=False)
+
+
+def test_redis_limit_keys_carry_a_ttl(redis_server: RedisServer) -> None:
+    """Every slot and rate key Redis keeps expires by itself (a crashed holder's too)."""
+    redis_server.flush(9)
+    store = store_from_url(redis_server.url(9))
+    assert isinstance(store, SlotSupport) and isinstance(store, RateSupport)
+    store.take_slot("celery-dedup-slots:t:k", "h", 2, 30)
+    store.hit_rate("celery-dedup-rate:t:k", "id1", 1, 60, delay=False)
+    store.hit_rate("celery-dedup-rate:t:k", "id2", 1, 60, delay=True)  # reserved 60 s ahead
+    client = redis_server.client(9)
+    assert 0 < client.pttl("celery-dedup-slots:t:k") <= 30_000
+    assert 60_000 < client.pttl("celery-dedup-rate:t:k") <= 120_000
+    redis_server.flush(9)
