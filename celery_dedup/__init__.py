@@ -27,7 +27,9 @@ from .exceptions import (
     InvalidOptionError,
     KeyReuseError,
     KeyReuseWarning,
+    LimitsNotSupported,
     MissingDeduplicationKey,
+    RateLimited,
     ScanNotSupported,
     StoreContention,
     StoreError,
@@ -36,6 +38,7 @@ from .exceptions import (
     StoreUnavailable,
 )
 from .identity import Identity, time_bucket
+from .limits import OnRateLimit
 from .options import Fallback, OnDuplicate, OnKeyReuse
 from .policy import UniqueUntil
 from .results import DeduplicatedResult
@@ -68,10 +71,13 @@ __all__ = [
     "InvalidOptionError",
     "KeyReuseError",
     "KeyReuseWarning",
+    "LimitsNotSupported",
     "Lock",
     "MissingDeduplicationKey",
     "OnDuplicate",
     "OnKeyReuse",
+    "OnRateLimit",
+    "RateLimited",
     "RevokeOutcome",
     "ScanNotSupported",
     "StoreContention",

@@ -648,7 +648,7 @@ def stats(ctx: click.Context, /, as_json: bool, **kwargs: Any) -> None:
     """Per-task counters and live locks.
 
     Counters: acquired, deduplicated, released (by workers), released_manual
-    (release/revoke/purge/reap), fallback, skipped.
+    (release/revoke/purge/reap), fallback, skipped, deferred, rate_limited.
     """
     _run(ctx, lambda op: op.stats(as_json))
 
@@ -679,3 +679,37 @@ def check(ctx: click.Context, /, as_json: bool, timeout: float, **kwargs: Any) -
             ctx.obj.echo(line)
     if not ok:
         ctx.exit(1)
+
+
+@dedup.command(cls=CeleryCommand)
+@click.argument("task_name", metavar="TASK")
+@click.argument("key", metavar="KEY")
+@_json_option
+@click.pass_context
+def limits(ctx: click.Context, /, task_name: str, key: str, as_json: bool, **kwargs: Any) -> None:
+    """Show one key's slots and rate window.
+
+    For a task with per-key limits (concurrency_limit, rate_limit_per_key).
+    KEY is what the task's concurrency_key / rate_key yields for a call
+    (e.g. the user "42" for "{user}"), or the full lock key when the limit
+    is keyed on the deduplication key.
+    """
+    from . import limits as per_key
+    from .exceptions import DedupError
+    from .task import DedupTask
+
+    app = ctx.obj.app
+    app.loader.import_default_modules()
+    app.finalize()
+    task = app.tasks.get(task_name)
+    if not isinstance(task, DedupTask):
+        raise click.ClickException(f"no DedupTask named {task_name!r}")
+    try:
+        found = per_key.usage(task, key)
+    except DedupError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if as_json:
+        ctx.obj.echo(dumps(found))
+        return
+    for line in per_key.usage_lines(found):
+        ctx.obj.echo(line)

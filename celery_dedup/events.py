@@ -41,8 +41,9 @@ from .signals import task_skipped
 if TYPE_CHECKING:
     from celery import Celery
 
-__all__ = ["EVENT_TYPE", "SKIPPED_EVENT_TYPE", "W_EVENTS_OFF", "default_send_events",
-           "dispatcher_hostname", "send_deduplicated", "send_skipped", "warn_if_events_off"]
+__all__ = ["DEFERRED_EVENT_TYPE", "EVENT_TYPE", "SKIPPED_EVENT_TYPE", "W_EVENTS_OFF",
+           "default_send_events", "dispatcher_hostname", "send_deduplicated", "send_skipped",
+           "warn_if_events_off"]
 
 logger = logging.getLogger("celery_dedup")
 
@@ -50,6 +51,10 @@ EVENT_TYPE: Final = "task-deduplicated"
 
 #: the event a worker-side skip is reported with (Flower state ``IGNORED``)
 SKIPPED_EVENT_TYPE: Final = "task-ignored"
+
+#: the event of a message a worker deferred (published again for later):
+#: Flower shows its state as ``DEFERRED`` until the copy's own events
+DEFERRED_EVENT_TYPE: Final = "task-deferred"
 
 
 W_EVENTS_OFF = (
@@ -126,15 +131,22 @@ def send_skipped(
     """Emit one ``task-ignored`` event for a task the worker skipped.
 
     Sent under the skipped task's own id from the worker's hostname; failures
-    are logged, never raised.
+    are logged, never raised. A deferred message (``reason`` ``"deferred: …"``)
+    is not skipped but put back for later: it gets a ``task-deferred`` event
+    instead, which Flower shows as state ``DEFERRED`` (never failed).
     """
+    deferred = reason.startswith("deferred")
     try:
         with app.events.default_dispatcher(hostname=hostname or dispatcher_hostname()) as d:
             d.send(
-                SKIPPED_EVENT_TYPE,
+                DEFERRED_EVENT_TYPE if deferred else SKIPPED_EVENT_TYPE,
                 uuid=task_id,
                 name=task_name,
-                result=f"skipped ({reason}): lock held by {existing_task_id}",
+                result=(
+                    f"{reason}; published again for later"
+                    if deferred
+                    else f"skipped ({reason}): lock held by {existing_task_id}"
+                ),
             )
     except Exception:
         logger.warning(

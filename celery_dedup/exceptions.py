@@ -11,6 +11,7 @@ The hierarchy::
     │                                          by a publish with different arguments
     ├── CancelTimeout (TimeoutError)           on_duplicate="cancel_running": the key stayed held
     ├── CancelOwnRunError (RuntimeError)       cancel_running called by the run holding the key
+    ├── RateLimited                            rate_limit_per_key is reached (``retry_after``)
     ├── DeduplicationUnavailable (RuntimeError) no usable store and dedup_fallback="closed"
     ├── StoreError                             a store operation failed (never a driver's exception)
     │   ├── StoreUnavailable (ConnectionError) the lock store cannot be reached
@@ -20,7 +21,8 @@ The hierarchy::
     │       └── StorePermissionDenied (PermissionError)  the store's user may not do this
     ├── ScanNotSupported (NotImplementedError) the store cannot list its locks (memcached)
     └── ImproperlyConfigured                   unknown store scheme or missing driver
-        (also celery.exceptions.ImproperlyConfigured)
+        │ (also celery.exceptions.ImproperlyConfigured)
+        └── LimitsNotSupported                 concurrency/rate limits on a store without them
 
 ``KeyReuseWarning`` (a ``UserWarning``) is what ``on_key_reuse="warn"`` emits.
 
@@ -51,7 +53,9 @@ __all__ = [
     "InvalidOptionError",
     "KeyReuseError",
     "KeyReuseWarning",
+    "LimitsNotSupported",
     "MissingDeduplicationKey",
+    "RateLimited",
     "ScanNotSupported",
     "StoreContention",
     "StoreError",
@@ -292,3 +296,54 @@ class ScanNotSupported(DedupError, NotImplementedError):
 
 class ImproperlyConfigured(DedupError, CeleryImproperlyConfigured):
     """A store URL has an unknown scheme, or its driver is not installed."""
+
+
+E_RATE_LIMITED = (
+    "{task_name} was called more often than its rate limit allows for this key; "
+    "retry in {retry_after:.1f}s"
+)
+
+
+class RateLimited(DedupError):
+    """The call's rate key is over ``rate_limit_per_key`` and ``on_duplicate="raise"``.
+
+    ``retry_after`` is the number of seconds until the window has room
+    again. The message names neither the key nor any task id: it is safe
+    to show an API client (``existing_task_id``, the most recent admitted
+    publish, is for server-side use).
+    """
+
+    def __init__(
+        self, task_name: str, key: str, retry_after: float, existing_task_id: str = ""
+    ) -> None:
+        message = E_RATE_LIMITED.format(task_name=task_name, retry_after=retry_after)
+        self._keep(message, task_name, key, retry_after, existing_task_id)
+        self.task_name = task_name
+        self.key = key
+        self.retry_after = retry_after
+        self.existing_task_id = existing_task_id
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(task_name={self.task_name!r}, key={self.key!r}, "
+            f"retry_after={self.retry_after!r})"
+        )
+
+
+class LimitsNotSupported(ImproperlyConfigured):
+    """A task uses ``concurrency_limit`` or ``rate_limit_per_key`` on a store that cannot keep them.
+
+    Raised instead of running unlimited: the limit would silently not hold.
+    """
+
+    def __init__(self, task_name: str, option: str, store: str) -> None:
+        message = (
+            f"{option} needs a lock store that keeps concurrency slots and publish "
+            f"rates (redis, postgresql, memory); the configured store {store!r} does not"
+        )
+        if task_name:
+            message = f"{task_name}: {message}"
+        self._keep(message, task_name, option, store)
+        self.task_name = task_name
+        self.option = option
+        self.store = store

@@ -7,6 +7,10 @@ CLI, the Django admin and the reaper. ``key_reused`` counts calls whose
 ``deduplication_key`` was held for different arguments (``on_key_reuse``
 raise or warn); ``coalesced`` counts Django on-commit calls folded into an
 identical one pending in the same transaction.
+CLI, the Django admin and the reaper. ``deferred`` counts the messages a
+worker published again for later instead of running them (a copy of a
+running publish, a store that did not answer, a full ``concurrency_limit``);
+``rate_limited`` the calls over ``rate_limit_per_key`` (refused or delayed).
 
 Counted in-process and added to the store in batches, so counting never
 costs a round trip per call:
@@ -61,6 +65,7 @@ EVENTS: Final = (
     "acquired", "deduplicated", "released", "released_manual", "fallback", "skipped",
     "key_reused", "coalesced",
     "replaced", "cancelled",
+    "deferred", "rate_limited",
 )
 
 #: the setting that bounds how often counts are written to the store

@@ -63,6 +63,9 @@ _HELP: Final = {
     "same transaction.",
     "replaced": "Queued holders on_duplicate='replace' took the lock from.",
     "cancelled": "Holders on_duplicate='cancel_running' revoked (queued) or terminated (running).",
+    "deferred": "Messages a worker published again for later instead of running them "
+    "(a running copy, a store that did not answer, a full concurrency_limit).",
+    "rate_limited": "Calls over rate_limit_per_key (refused or delayed).",
 }
 
 #: every metric name as exposed (counters get ``_total`` from the client)

@@ -13,10 +13,11 @@ from typing import TYPE_CHECKING, Any, Final, cast
 
 from celery import Celery, Task
 from celery.app.routes import Router
+from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry
 from celery.utils import uuid
 
-from . import cancel, debounce, events, key_reuse, native, worker
+from . import cancel, debounce, events, key_reuse, native, rates, slots, worker
 from .exceptions import (
     DeduplicationUnavailable,
     DuplicateTaskError,
@@ -461,9 +462,16 @@ class DedupTask(_Task):
         else:  # a subclass's own key (the compat shims)
             key = self.dedup_key(sent_args, sent_kwargs, call, queue_name, serializer)
         if key is None:
-            return mark_result(publish(task_id or uuid(), NO_LOCK), None)
+            task_id = task_id or uuid()
+            refused = rates.admit_unlocked(
+                self, call.on_duplicate, task_id, sent_args, sent_kwargs, options
+            )
+            if refused is not None:
+                return refused
+            return mark_result(publish(task_id, NO_LOCK), None)
         settings = config.runtime.settings
         if native.uses_native(settings.native, settings.broker_scheme, queue_name):
+            rates.refuse_native(self)  # the broker deduplicates: no store counts the rate
             return self._publish_native(call, key, queue_name, task_id, options, publish)
         if task_id is None:
             task_id = deterministic_task_id(key) if call.deterministic_id else uuid()
@@ -598,6 +606,13 @@ class DedupTask(_Task):
             # (A holder with this call's own token is this call's write, seen
             # again by a client that re-sent the command after losing its reply.)
             return self._held(call, key, holder, task_id, args, kwargs, options, publish, owner)
+        refused = rates.admit_publish(
+            self, call.on_duplicate, store, key, task_id, args, kwargs, options,
+            give_back=lambda: self._give_back(store, key, owner, task_id, previous),
+            extend=lambda wait: store.extend(key, owner, ttl + wait),
+        )
+        if refused is not None:
+            return refused
 
         header = LockHeader(key, until, call.unique_for, takes_over, owner)
         runtime.metrics.incr(self.name, "acquired")
@@ -769,6 +784,19 @@ class DedupTask(_Task):
                 previous.task_id,
                 holder.task_id,
             )
+
+    def _give_back(
+        self, store: LockStore, key: str, owner: str, task_id: str, previous: Lock | None
+    ) -> None:
+        """A call refused after its lock was taken (its rate limit): free the lock."""
+
+        def release() -> None:
+            worker.release(self, store, key, owner, task_id, "rate_limited")
+
+        if previous is None:
+            release()
+        else:
+            self._restore(store, key, previous, release)
 
     def _publish_locked(
         self,
@@ -957,6 +985,14 @@ class DedupTask(_Task):
         request = self.request
         if request.called_directly:
             return super().__call__(*args, **kwargs)
+        slot = slots.enter(self, request, args, kwargs)  # a full limit defers the message
+        try:
+            return self._call_claimed(request, args, kwargs)
+        finally:
+            slots.leave(slot)
+
+    def _call_claimed(self, request: Context, args: Any, kwargs: Any) -> Any:
+        """``__call__`` inside the task's concurrency slot (if it has a limit)."""
         held = worker.claim_at_start(self, str(request.id), args, kwargs, request)
         if held is None:
             return super().__call__(*args, **kwargs)

@@ -418,18 +418,22 @@ def _defer(
     key: str,
     reason: str,
     lease: float | None,
+    *,
+    countdown: float | None = None,
 ) -> None:
     """Publish this very message again for later, then end this copy without a state.
 
     The copy keeps its task id, header and options (Celery's
     ``signature_from_request``, as ``retry()`` builds them) but not its
     retry count: it is the same attempt. It comes back after a third of the
-    lease (a copy waiting for a running one) or a short backoff (a store
-    that did not answer). No state is written: the id is the running copy's.
+    lease (a copy waiting for a running one), a short backoff (a store
+    that did not answer) or ``countdown`` when given (a full concurrency
+    limit: ``limits``). No state is written: the id is the running copy's.
     """
     from celery.app.task import Task
 
-    countdown = lease / 3.0 if lease is not None else 1.0
+    if countdown is None:
+        countdown = lease / 3.0 if lease is not None else 1.0
     logger.info(
         "celery-dedup: %s[%s] deferred by %.1fs (lock %s: %s)",
         task.name,
@@ -438,6 +442,7 @@ def _defer(
         short(key),
         reason,
     )
+    task.dedup_config().runtime.metrics.incr(task.name, "deferred")
     task_skipped.send(
         sender=task,
         key=key,

@@ -288,10 +288,11 @@ def test_stats_counts_and_live_locks(app: Celery) -> None:
     table = dedup("stats")
     assert table.output.splitlines()[0].split() == [
         "TASK", "ACQUIRED", "DEDUPLICATED", "RELEASED", "RELEASED_MANUAL", "FALLBACK", "SKIPPED",
-        "KEY_REUSED", "COALESCED", "REPLACED", "CANCELLED", "LIVE_LOCKS",
+        "KEY_REUSED", "COALESCED", "REPLACED", "CANCELLED", "DEFERRED", "RATE_LIMITED",
+        "LIVE_LOCKS",
     ]
     assert table.output.splitlines()[1].split() == [
-        SYNC, "1", "4", "0", "1", "0", "0", "0", "0", "0", "0", "0"
+        SYNC, "1", "4", "0", "1", "0", "0", "0", "0", "0", "0", "0", "0", "0"
     ]
 
 
@@ -378,7 +379,7 @@ def test_help_lines_are_whole(app: Celery) -> None:
     assert result.exit_code == 0, result.output
     commands = result.output.split("Commands:")[1].strip().splitlines()
     assert [line.split()[0] for line in commands] == [
-        "check", "list", "purge", "reap", "release", "show", "stats"
+        "check", "limits", "list", "purge", "reap", "release", "show", "stats"
     ]
     assert not any(line.rstrip().endswith("...") for line in commands), commands
     release_help = dedup("release", "--help").output

@@ -12,7 +12,7 @@ from celery import Celery
 from celery.app import trace
 from celery.contrib.testing.worker import start_worker
 
-from celery_dedup import DeduplicatedResult
+from celery_dedup import DeduplicatedResult, DedupTask
 from celery_dedup.events import dispatcher_hostname
 from celery_dedup.runtime import runtime_for
 from tests.apps.cli_app import SLOW, make_app
@@ -128,6 +128,38 @@ def test_skipped_task_shows_ignored(app: Celery, worker: Any, flower: FlowerServ
     assert holder.id in info["result"]
     assert bypass.state == "IGNORED"
     assert flower.wait_for(lambda: (flower.task(holder.id) or {}).get("state") == "SUCCESS")
+
+
+def test_deferred_message_shows_deferred(
+    app: Celery, flower: FlowerServer, request: pytest.FixtureRequest
+) -> None:
+    """A message over its concurrency limit shows as DEFERRED (not failed), then SUCCESS."""
+
+    @app.task(
+        base=DedupTask,
+        shared=False,
+        name="demo.limited",
+        concurrency_limit=1,
+        concurrency_key="{account}",
+        concurrency_backoff=0.5,
+    )
+    def limited(account: str, seconds: float) -> str:
+        time.sleep(seconds)
+        return account
+
+    request.getfixturevalue("worker")  # started once the task is registered
+    first = limited.delay("acme", 2.0)
+    second = limited.delay("acme", 0.0)
+
+    def deferred() -> dict[str, Any] | None:
+        info = flower.task(second.id)
+        return info if info and info["state"] == "DEFERRED" else None
+
+    info = flower.wait_for(deferred, what="the deferred task's DEFERRED state")
+    assert "concurrency limit 1 reached" in info["result"]
+    assert first.get(timeout=30) == second.get(timeout=30) == "acme"
+    assert flower.wait_for(lambda: (flower.task(second.id) or {}).get("state") == "SUCCESS")
+    assert events_counted(flower, "demo.limited", "task-deferred") >= 1
 
 
 def test_no_phantom_online_worker(app: Celery, worker: Any, flower: FlowerServer) -> None:

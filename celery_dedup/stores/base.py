@@ -47,10 +47,13 @@ __all__ = [
     "LockMeta",
     "LockStore",
     "QueuedTakeOver",
+    "RateAnswer",
+    "RateSupport",
     "RevokeOutcome",
     "RunOutcome",
     "RunRecords",
     "RunRef",
+    "SlotSupport",
     "os_error_kind",
     "refused_unless_passed",
     "revoked_marker_key",
@@ -372,6 +375,72 @@ class DurabilityReport(Protocol):
 
     def durability(self) -> Durability:
         """Ask the server (one round trip); never raises: errors go to ``error``."""
+@runtime_checkable
+class SlotSupport(Protocol):
+    """**Protocol:** a store that keeps concurrency slots (``concurrency_limit``).
+
+    A slot key holds at most ``limit`` holders, each a lease that lapses
+    ``ttl`` seconds after it was taken or last renewed (a crashed holder's
+    slot comes back by itself). One round trip per call, atomic on the
+    server, and every key it writes carries a TTL.
+    """
+
+    def take_slot(self, key: str, holder: str, limit: int, ttl: float) -> tuple[bool, int]:
+        """Take one of ``limit`` slots of ``key`` for ``holder`` for ``ttl`` seconds.
+
+        Lapsed leases are dropped first. A holder that already holds a slot
+        keeps it (its lease is renewed). Returns whether ``holder`` holds a
+        slot now, and how many slots of ``key`` are in use after the call.
+        """
+
+    def give_slot(self, key: str, holder: str) -> bool:
+        """Give ``holder``'s slot of ``key`` back; whether it held one (idempotent)."""
+
+    def renew_slots(self, slots: Sequence[tuple[str, str]], ttl: float) -> int:
+        """Renew the lease of each ``(key, holder)`` still held to ``ttl`` seconds; how many."""
+
+    def slots_in_use(self, key: str) -> int:
+        """How many live leases ``key`` has."""
+
+
+@dataclass(frozen=True)
+class RateAnswer:
+    """The answer of ``RateSupport.hit_rate``."""
+
+    #: whether the publish is admitted (now, or after ``wait`` when delayed)
+    admitted: bool
+    #: seconds until the admitted publish may run (``0``: now), or, when
+    #: refused, until the window has room again
+    wait: float
+    #: how many publishes the window holds after the call
+    count: int
+    #: the task id of the most recent admitted publish ("" when none)
+    last: str = ""
+
+
+@runtime_checkable
+class RateSupport(Protocol):
+    """**Protocol:** a store that counts publishes per rate key (``rate_limit_per_key``).
+
+    A sliding window: at most ``limit`` admitted publishes in any
+    ``period`` seconds. One round trip per call, atomic on the server, on
+    the server's clock; every key it writes carries a TTL.
+    """
+
+    def hit_rate(
+        self, key: str, member: str, limit: int, period: float, *, delay: bool
+    ) -> RateAnswer:
+        """Count the publish ``member`` (a task id) on ``key`` if the window has room.
+
+        With ``delay``, a full window admits it anyway at the earliest time
+        the window has room (``wait`` seconds from now), reserving that
+        place, so delayed publishes never exceed the limit either.
+        """
+
+    def rate_window(self, key: str, limit: int, period: float) -> RateAnswer:
+        """The window of ``key`` as it is (nothing counted): its count, its last
+        member and (``wait``) when it has room again under ``limit``.
+        """
 
 
 #: Decides what a driver exception means: the ``StoreError`` class to raise

@@ -16,6 +16,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from .base import RECORD_POLICIES, Claim, ClaimOutcome, Lock, LockMeta, RevokeOutcome
+from .memory_limits import MemoryLimits
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -26,7 +27,7 @@ _TABLES: dict[str, MemoryStore] = {}
 _TABLES_LOCK = threading.Lock()
 
 
-class MemoryStore:
+class MemoryStore(MemoryLimits):
     """A dict of locks with TTLs, safe across threads of one process."""
 
     name = "memory"
@@ -213,3 +214,5 @@ class MemoryStore:
             self._locks.clear()
             self._revoked.clear()
             self._counts.clear()
+            self.__dict__.pop("_slot_table", None)
+            self.__dict__.pop("_rate_table", None)

@@ -55,6 +55,7 @@ from .base import (
     store_errors,
     translate,
 )
+from .redis_limits import RedisLimits
 from .redis_wire import ScriptWire
 
 if TYPE_CHECKING:
@@ -569,7 +570,7 @@ def _unpack(key: str, record: str) -> tuple[str, str, str, int, str, bool] | Non
 DEFAULT_TIMEOUTS: Mapping[str, float] = {"socket_connect_timeout": 5.0, "socket_timeout": 5.0}
 
 
-class RedisStore:
+class RedisStore(RedisLimits):
     """Owner-checked TTL locks in Redis (also Sentinel and TLS via ``rediss://``).
 
     Built on the result backend's own client when the backend is Redis, so

@@ -102,6 +102,7 @@ from .sql_dialects import (
     metadata,
     revoked_table,
 )
+from .sql_limits import SQLLimits
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -257,7 +258,7 @@ class _DriverRunner:
         )
 
 
-class SQLStore:
+class SQLStore(SQLLimits):
     """Owner-checked TTL locks in a SQL table (SQLAlchemy Core).
 
     Tables are created on first use. The engine is this store's own (never

@@ -484,7 +484,7 @@ EMPTY_DATABASES = [
 
 @pytest.mark.parametrize("empty_database", EMPTY_DATABASES, indirect=True)
 def test_tables_created_on_first_use(empty_database: Callable[[], str]) -> None:
-    """Building a store creates nothing; its first operation creates its three tables."""
+    """Building a store creates nothing; its first operation creates its tables."""
     url = empty_database()
     store = store_from_url(url)
     other = store_from_url(url)
@@ -495,6 +495,7 @@ def test_tables_created_on_first_use(empty_database: Callable[[], str]) -> None:
         tables = set(inspect(store.engine).get_table_names())
         assert tables == {
             "celery_dedup_sql_lock", "celery_dedup_sql_revoked", "celery_dedup_sql_counter",
+            "celery_dedup_sql_slot", "celery_dedup_sql_rate",
         }
         holder = other.acquire("k", "owner-b", 30, META)
         assert holder is not None and holder.owner == "owner-a"

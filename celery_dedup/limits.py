@@ -1,0 +1,297 @@
+"""Per-key limits: how many bodies run at once, how many publishes per period.
+
+Two task options, each with a key of its own (a ``str.format`` template over
+the call's bound arguments such as ``"{user}"``, a callable taking the
+call's arguments, or by default the deduplication key):
+
+* ``concurrency_limit=N`` (``concurrency_key=``): at most ``N`` bodies with
+  the same key run at once across every worker. A message over the limit
+  is **deferred**: the worker publishes the very same message again with a
+  countdown (a third of the slot lease, jittered between half and all of
+  it: ``concurrency_backoff=`` overrides it) and acknowledges this copy,
+  so no pool slot waits and nothing is lost or failed. A slot is a lease
+  (``dedup_lease_ttl``) renewed every third of it by the process running
+  the body, so a killed worker's slot comes back within one lease.
+* ``rate_limit_per_key="10/m"`` (``/s``, ``/m``, ``/h``, ``/d``; ``rate_key=``):
+  at most that many publishes per key in any sliding window of the
+  period, counted on the store's clock. A call over it follows
+  ``on_duplicate`` (``raise``: ``RateLimited`` with ``retry_after``;
+  ``existing``: the most recent admitted publish's handle) or, with
+  ``on_rate_limit="delay"``, is published with a countdown to its place in
+  the window.
+
+Stores keep them through ``SlotSupport`` and ``RateSupport``; a task using
+a limit on a store without them fails loudly (``LimitsNotSupported``).
+This module holds the options, the keys and what the CLI shows; the worker
+side is ``slots``, the producer side ``rates``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import string
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING, Any, Final
+
+from .exceptions import InvalidOptionError, LimitsNotSupported
+from .identity import digest
+from .options import naming_task, validate_choice
+from .stores.base import RateSupport, SlotSupport
+
+if TYPE_CHECKING:
+    from .task import DedupTask
+
+__all__ = [
+    "LIMIT_OPTIONS",
+    "KeySpec",
+    "Limits",
+    "OnRateLimit",
+    "Rate",
+    "concurrency_store_key",
+    "key_text",
+    "limits_of",
+    "parse_rate",
+    "rate_store_key",
+    "rates_of",
+    "slots_of",
+    "usage",
+    "usage_lines",
+]
+
+#: the task attributes this module reads
+LIMIT_OPTIONS: Final = (
+    "concurrency_limit",
+    "concurrency_key",
+    "concurrency_backoff",
+    "rate_limit_per_key",
+    "rate_key",
+    "on_rate_limit",
+)
+
+_PERIODS: Final[Mapping[str, float]] = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_RATE = re.compile(r"^\s*(\d+)\s*/\s*([smhd])\s*$")
+
+
+class OnRateLimit(str, Enum):
+    """What a call over ``rate_limit_per_key`` does."""
+
+    #: what a duplicate does (``on_duplicate``: raise ``RateLimited`` or return a handle)
+    DUPLICATE = "duplicate"
+    #: publish it with a countdown to its place in the window
+    DELAY = "delay"
+
+
+@dataclass(frozen=True)
+class Rate:
+    """A parsed ``rate_limit_per_key``: ``limit`` publishes per ``period`` seconds."""
+
+    limit: int
+    period: float
+
+
+def parse_rate(value: Any, option: str = "rate_limit_per_key") -> Rate | None:
+    """``"10/m"`` as a ``Rate`` (``None`` stays ``None``); anything else is refused."""
+    if value is None:
+        return None
+    match = _RATE.match(value) if isinstance(value, str) else None
+    if match is None or int(match.group(1)) < 1:
+        raise InvalidOptionError(
+            option, value, "a string 'N/s', 'N/m', 'N/h' or 'N/d' with N >= 1 (or None)"
+        )
+    return Rate(int(match.group(1)), _PERIODS[match.group(2)])
+
+
+def _positive_int(value: Any, option: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidOptionError(option, value, "an int >= 1 (or None)")
+    return value
+
+
+def _backoff(value: Any, option: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e6:
+        raise InvalidOptionError(option, value, "a number of seconds greater than 0 (or None)")
+    return float(value)
+
+
+#: a key option: a template, a callable, or None (the deduplication key)
+KeySpec = str | Callable[..., Any] | None
+
+
+@dataclass(frozen=True)
+class Limits:
+    """A task's limits, validated once."""
+
+    concurrency: int | None
+    concurrency_key: KeySpec
+    backoff: float | None
+    rate: Rate | None
+    rate_key: KeySpec
+    on_rate_limit: OnRateLimit
+    signature: inspect.Signature
+
+
+def _key_spec(value: Any, option: str, signature: inspect.Signature) -> KeySpec:
+    if value is None or callable(value):
+        spec: KeySpec = value
+        return spec
+    if not isinstance(value, str) or not value:
+        raise InvalidOptionError(
+            option, value, "a template over the arguments ('{user}'), a callable, or None"
+        )
+    names = {name for _, name, _, _ in string.Formatter().parse(value) if name}
+    fields = {re.split(r"[.\[]", name, maxsplit=1)[0] for name in names}
+    unknown = fields - set(signature.parameters)
+    if unknown or not fields:
+        raise InvalidOptionError(
+            option,
+            value,
+            f"a template naming parameters of the task ({', '.join(signature.parameters)})",
+        )
+    return value
+
+
+def limits_of(task: DedupTask) -> Limits | None:
+    """The task's limits (``None`` when it has none), validated on first use."""
+    cached: Limits | bool | None = task.__dict__.get("_dedup_limits", False)
+    if cached is not False:
+        return cached if isinstance(cached, Limits) else None
+    with naming_task(task.name):
+        limits = _build(task)
+    task.__dict__["_dedup_limits"] = limits
+    return limits
+
+
+def _build(task: DedupTask) -> Limits | None:
+    def attr(name: str) -> Any:
+        return getattr(task, name, None)
+
+    concurrency = _positive_int(attr("concurrency_limit"), "concurrency_limit")
+    rate = parse_rate(attr("rate_limit_per_key"))
+    if concurrency is None and rate is None:
+        return None
+    signature = inspect.signature(task.run)
+    on_rate_limit = attr("on_rate_limit")
+    return Limits(
+        concurrency=concurrency,
+        concurrency_key=_key_spec(attr("concurrency_key"), "concurrency_key", signature),
+        backoff=_backoff(attr("concurrency_backoff"), "concurrency_backoff"),
+        rate=rate,
+        rate_key=_key_spec(attr("rate_key"), "rate_key", signature),
+        on_rate_limit=(
+            OnRateLimit.DUPLICATE
+            if on_rate_limit is None
+            else validate_choice(OnRateLimit, on_rate_limit, "on_rate_limit")
+        ),
+        signature=signature,
+    )
+
+
+def key_text(
+    task: DedupTask,
+    limits: Limits,
+    spec: KeySpec,
+    option: str,
+    args: Sequence[Any] | None,
+    kwargs: Mapping[str, Any] | None,
+    default: str | None,
+) -> str:
+    """The text of a limit's key for one call."""
+    if spec is None:
+        # No deduplication key (identity="always_unique"): the task as a whole.
+        return default if default is not None else task.name
+    if callable(spec):
+        value = spec(*(args or ()), **(kwargs or {}))
+        if not isinstance(value, str) or not value:
+            raise InvalidOptionError(option, value, "the callable to return a non-empty string")
+        return value
+    bound = limits.signature.bind(*(args or ()), **(kwargs or {}))
+    bound.apply_defaults()
+    return spec.format_map(bound.arguments)
+
+
+def concurrency_store_key(prefix: str, task_name: str, text: str) -> str:
+    """The store key of the slots of one concurrency key of ``task_name``."""
+    return f"{prefix}-slots:{task_name}:{digest(text)}"
+
+
+def rate_store_key(prefix: str, task_name: str, text: str) -> str:
+    """The store key of the publish window of one rate key of ``task_name``."""
+    return f"{prefix}-rate:{task_name}:{digest(text)}"
+
+
+def slots_of(task: DedupTask, store: object) -> SlotSupport:
+    if isinstance(store, SlotSupport):
+        return store
+    raise LimitsNotSupported(task.name, "concurrency_limit", getattr(store, "name", "none"))
+
+
+def rates_of(task: DedupTask, store: object) -> RateSupport:
+    if isinstance(store, RateSupport):
+        return store
+    raise LimitsNotSupported(task.name, "rate_limit_per_key", getattr(store, "name", "none"))
+
+
+# -- what the CLI shows ---------------------------------------------------------
+
+
+def usage(task: DedupTask, text: str) -> dict[str, Any]:
+    """The slots and the publish window of one key of ``task`` (its text: ``"user-1"``).
+
+    ``text`` is what the task's key yields for a call: the value of its
+    ``concurrency_key``/``rate_key`` template or callable, or the lock key
+    when the key is the deduplication key. One round trip per limit.
+    """
+    limits = limits_of(task)
+    if limits is None:
+        return {"task": task.name, "key": text}
+    runtime = task.dedup_config().runtime
+    prefix = runtime.settings.key_prefix
+    found: dict[str, Any] = {"task": task.name, "key": text}
+    if limits.concurrency is not None:
+        slots = slots_of(task, runtime.store)
+        found["concurrency"] = {
+            "limit": limits.concurrency,
+            "in_use": slots.slots_in_use(concurrency_store_key(prefix, task.name, text)),
+        }
+    if limits.rate is not None:
+        rates = rates_of(task, runtime.store)
+        answer = rates.rate_window(
+            rate_store_key(prefix, task.name, text), limits.rate.limit, limits.rate.period
+        )
+        found["rate"] = {
+            "limit": limits.rate.limit,
+            "period": limits.rate.period,
+            "count": answer.count,
+            "free_in": answer.wait,
+            "last_task_id": answer.last,
+        }
+    return found
+
+
+def usage_lines(found: Mapping[str, Any]) -> list[str]:
+    """``usage`` as the CLI prints it."""
+    lines = [f"{found['task']}  key {found['key']!r}"]
+    if "concurrency" not in found and "rate" not in found:
+        return [*lines, "  no concurrency_limit or rate_limit_per_key"]
+    if "concurrency" in found:
+        slots = found["concurrency"]
+        lines.append(f"  concurrency  {slots['in_use']} of {slots['limit']} slots in use")
+    if "rate" in found:
+        rate = found["rate"]
+        line = (
+            f"  rate         {rate['count']} of {rate['limit']} publishes "
+            f"in the last {rate['period']:g}s"
+        )
+        if rate["free_in"]:
+            line += f", next free in {rate['free_in']:.1f}s"
+        lines.append(line)
+        if rate["last_task_id"]:
+            lines.append(f"  last publish {rate['last_task_id']}")
+    return lines

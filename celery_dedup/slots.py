@@ -1,0 +1,162 @@
+"""The worker side of ``concurrency_limit``: one slot per running body (see ``limits``).
+
+A body takes a slot of its concurrency key before its start check (one
+round trip), a thread of the process running it renews the slot's lease
+every third of it, and the body gives it back when it ends (one round
+trip). A message that finds the key full is deferred: the worker publishes
+the very same message again with a jittered countdown.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .exceptions import LimitsNotSupported, StoreError
+from .limits import concurrency_store_key, key_text, limits_of, slots_of
+from .options import Fallback
+from .stores.base import SlotSupport
+
+if TYPE_CHECKING:
+    from .task import DedupTask
+
+__all__ = ["Slot", "enter", "leave"]
+
+logger = logging.getLogger("celery_dedup")
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A concurrency slot a running body holds."""
+
+    store: SlotSupport
+    key: str
+    holder: str
+    ttl: float
+
+
+class _Keeper:
+    """Renews the slots held in this process every third of their lease.
+
+    The thread lives in the process that runs the bodies (a pool child):
+    when that process dies, nothing renews its slots and they lapse.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.held: dict[str, Slot] = {}
+        self.thread: threading.Thread | None = None
+        self.pid = 0
+        self.interval = 20.0
+        self.wake = threading.Event()
+
+    def add(self, slot: Slot) -> None:
+        with self.lock:
+            self.held[slot.holder] = slot
+            self.interval = min(self.interval, max(slot.ttl / 3.0, 0.05))
+            alive = self.thread is not None and self.thread.is_alive()
+            if not alive or self.pid != os.getpid():
+                self.pid = os.getpid()
+                self.thread = threading.Thread(
+                    target=self.loop, name="celery-dedup-slots", daemon=True
+                )
+                self.thread.start()
+
+    def remove(self, slot: Slot) -> None:
+        with self.lock:
+            self.held.pop(slot.holder, None)
+
+    def loop(self) -> None:
+        while not self.wake.wait(self.interval):
+            self.renew()
+
+    def renew(self) -> int:
+        with self.lock:
+            slots = list(self.held.values())
+        groups: dict[tuple[int, float], tuple[SlotSupport, list[tuple[str, str]]]] = {}
+        for slot in slots:
+            group = groups.setdefault((id(slot.store), slot.ttl), (slot.store, []))
+            group[1].append((slot.key, slot.holder))
+        renewed = 0
+        for (_, ttl), (store, pairs) in groups.items():
+            try:
+                renewed += store.renew_slots(pairs, ttl)
+            except Exception as exc:  # an outage: the next pass tries again
+                logger.warning("celery-dedup: could not renew %d slots: %s", len(pairs), exc)
+        return renewed
+
+
+_keeper = _Keeper()
+
+
+def enter(task: DedupTask, request: Any, args: Any, kwargs: Any) -> Slot | None:
+    """Take a concurrency slot for this body, or defer the message (``Ignore``).
+
+    Returns the slot to give back with ``leave`` (``None``: no limit, an
+    eager call, or a store outage under ``dedup_fallback="open"``).
+    """
+    limits = limits_of(task)
+    if limits is None or limits.concurrency is None or request.is_eager:
+        return None
+    from . import worker
+
+    runtime = task.dedup_config().runtime
+    store = slots_of(task, runtime.store)
+    header = worker.header_of(request)
+    text = key_text(
+        task,
+        limits,
+        limits.concurrency_key,
+        "concurrency_key",
+        args,
+        kwargs,
+        None if header is None else header.key,
+    )
+    key = concurrency_store_key(runtime.settings.key_prefix, task.name, text)
+    ttl = runtime.settings.lease_ttl
+    holder = f"{request.id}:{os.urandom(8).hex()}"
+    try:
+        taken, in_use = store.take_slot(key, holder, limits.concurrency, ttl)
+    except LimitsNotSupported as exc:  # a store of a kind that keeps none (a SQL dialect)
+        raise LimitsNotSupported(task.name, "concurrency_limit", exc.store) from None
+    except StoreError as exc:
+        if runtime.settings.fallback is Fallback.CLOSED:
+            reason = f"the store did not answer: {exc}"
+            worker._defer(task, request, args, kwargs, key, reason, None)
+        logger.warning(
+            "celery-dedup: %s[%s] runs without its slot: %s", task.name, request.id, exc
+        )
+        return None
+    if not taken:
+        base = limits.backoff if limits.backoff is not None else ttl / 3.0
+        countdown = base * random.uniform(0.5, 1.0)
+        worker._defer(
+            task,
+            request,
+            args,
+            kwargs,
+            key,
+            f"concurrency limit {limits.concurrency} reached ({in_use} running)",
+            None,
+            countdown=countdown,
+        )
+    slot = Slot(store, key, holder, ttl)
+    _keeper.add(slot)
+    return slot
+
+
+def leave(slot: Slot | None) -> None:
+    """Give the slot back (a store outage leaves it to lapse with its lease)."""
+    if slot is None:
+        return
+    _keeper.remove(slot)
+    try:
+        slot.store.give_slot(slot.key, slot.holder)
+    except StoreError as exc:
+        logger.warning("celery-dedup: could not give a slot back (it lapses): %s", exc)
+
+

@@ -1,0 +1,200 @@
+"""Concurrency slots and publish rates in Redis (``SlotSupport``, ``RateSupport``).
+
+A slot key is a sorted set of holder → lease expiry (ms, server clock); a
+rate key is a sorted set of admitted task id → admission time (ms, server
+clock; a delayed publish is entered at the time it may run). Each
+operation is one script on one key, so a cluster routes it by that key's
+slot, and every script leaves a TTL on the key it writes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from functools import cached_property
+from typing import Any
+
+import redis
+from redis.commands.core import Script
+
+from .base import RateAnswer
+
+__all__ = ["RedisLimits"]
+
+# KEYS[1] - the slot key (sorted set holder -> lease expiry in ms)
+# ARGV[1] - the holder
+# ARGV[2] - the number of slots
+# ARGV[3] - the lease in milliseconds
+# return {1 if the holder holds a slot now else 0, slots in use}
+TAKE_SLOT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local ttl = tonumber(ARGV[3])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local held = redis.call('ZSCORE', KEYS[1], ARGV[1])
+local n = redis.call('ZCARD', KEYS[1])
+if not held and n >= tonumber(ARGV[2]) then
+  return {0, n}
+end
+redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
+if redis.call('PTTL', KEYS[1]) < ttl then
+  redis.call('PEXPIRE', KEYS[1], ttl)
+end
+if held then
+  return {1, n}
+end
+return {1, n + 1}
+"""
+
+# KEYS[1] - the slot key
+# ARGV[1] - the holder
+# ARGV[2] - the lease in milliseconds
+# return 1 if the holder's live lease was renewed, else 0
+RENEW_SLOT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local ttl = tonumber(ARGV[2])
+local expiry = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if not expiry or tonumber(expiry) <= now then
+  return 0
+end
+redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
+if redis.call('PTTL', KEYS[1]) < ttl then
+  redis.call('PEXPIRE', KEYS[1], ttl)
+end
+return 1
+"""
+
+# KEYS[1] - the slot key
+# return the number of live leases
+SLOTS_IN_USE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+return redis.call('ZCOUNT', KEYS[1], '(' .. now, '+inf')
+"""
+
+# KEYS[1] - the rate key (sorted set task id -> admission time in ms)
+# ARGV[1] - the member (the publish's task id)
+# ARGV[2] - the limit (publishes per period)
+# ARGV[3] - the period in milliseconds
+# ARGV[4] - "1": admit at the earliest free place; "0": refuse a full window;
+#           "": count nothing (read the window)
+# return {admitted 1/0, wait in ms, count after the call, last member or ""}
+HIT_RATE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local limit = tonumber(ARGV[2])
+local period = tonumber(ARGV[3])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - period)
+local n = redis.call('ZCARD', KEYS[1])
+local newest = redis.call('ZRANGE', KEYS[1], -1, -1)
+local last = newest[1] or ''
+local at = now
+if n >= limit then
+  -- the window ending at `at` must drop the (n - limit + 1)th newest entry
+  local blocker = redis.call('ZRANGE', KEYS[1], n - limit, n - limit, 'WITHSCORES')
+  at = math.max(now, tonumber(blocker[2]) + period)
+end
+if ARGV[4] == '' or (at > now and ARGV[4] ~= '1') then
+  return {0, at - now, n, last}
+end
+redis.call('ZADD', KEYS[1], at, ARGV[1])
+-- never shorter than a place reserved earlier (delayed publishes)
+if redis.call('PTTL', KEYS[1]) < at - now + period then
+  redis.call('PEXPIRE', KEYS[1], at - now + period)
+end
+return {1, at - now, n + 1, ARGV[1]}
+"""
+
+
+def _ms(seconds: float) -> int:
+    return max(1, int(seconds * 1000))
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class RedisLimits:
+    """``SlotSupport`` and ``RateSupport`` for ``RedisStore`` (a mixin of it).
+
+    Relies on the store's ``client``, ``_k`` (the key prefix), ``_run`` (one
+    EVALSHA, errors translated) and ``_boundary``.
+    """
+
+    client: Any
+
+    def _k(self, key: str) -> str:
+        raise NotImplementedError
+
+    def _run(self, script: Script, keys: list[str], args: list[Any]) -> Any:
+        raise NotImplementedError
+
+    def _boundary(self) -> AbstractContextManager[None]:
+        raise NotImplementedError
+
+    @cached_property
+    def _limit_scripts(self) -> dict[str, Script]:
+        register = self.client.register_script
+        return {
+            "take": register(TAKE_SLOT),
+            "renew": register(RENEW_SLOT),
+            "in_use": register(SLOTS_IN_USE),
+            "rate": register(HIT_RATE),
+        }
+
+    # -- SlotSupport -------------------------------------------------------
+
+    def take_slot(self, key: str, holder: str, limit: int, ttl: float) -> tuple[bool, int]:
+        """Take a slot, or report the key full (one EVALSHA)."""
+        raw = self._run(self._limit_scripts["take"], [self._k(key)], [holder, limit, _ms(ttl)])
+        return bool(int(raw[0])), int(raw[1])
+
+    def give_slot(self, key: str, holder: str) -> bool:
+        """ZREM the holder (one round trip)."""
+        with self._boundary():
+            return bool(self.client.zrem(self._k(key), holder))
+
+    def renew_slots(self, slots: Sequence[tuple[str, str]], ttl: float) -> int:
+        """Renew every held lease: one pipelined round trip for all of them (a cluster:
+        one per slot)."""
+        if not slots:
+            return 0
+        script = self._limit_scripts["renew"]
+        if not isinstance(self.client, redis.Redis):
+            # A cluster client: one EVALSHA per slot, each on its key's primary.
+            return sum(
+                int(self._run(script, [self._k(key)], [holder, _ms(ttl)])) for key, holder in slots
+            )
+        with self._boundary():
+            pipe = self.client.pipeline(transaction=False)
+            for key, holder in slots:
+                script(keys=[self._k(key)], args=[holder, _ms(ttl)], client=pipe)
+            return sum(int(answer) for answer in pipe.execute())
+
+    def slots_in_use(self, key: str) -> int:
+        """How many live leases the key has (one EVALSHA)."""
+        return int(self._run(self._limit_scripts["in_use"], [self._k(key)], []))
+
+    # -- RateSupport -------------------------------------------------------
+
+    def hit_rate(
+        self, key: str, member: str, limit: int, period: float, *, delay: bool
+    ) -> RateAnswer:
+        """Count the publish in the sliding window, or refuse it (one EVALSHA)."""
+        args = [member, limit, _ms(period), "1" if delay else "0"]
+        return _answer(self._run(self._limit_scripts["rate"], [self._k(key)], args))
+
+    def rate_window(self, key: str, limit: int, period: float) -> RateAnswer:
+        """The window as it is (one EVALSHA that counts nothing)."""
+        args = ["", limit, _ms(period), ""]
+        return _answer(self._run(self._limit_scripts["rate"], [self._k(key)], args))
+
+
+def _answer(raw: Sequence[Any]) -> RateAnswer:
+    return RateAnswer(
+        admitted=bool(int(raw[0])),
+        wait=int(raw[1]) / 1000.0,
+        count=int(raw[2]),
+        last=_text(raw[3]),
+    )

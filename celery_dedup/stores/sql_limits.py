@@ -1,0 +1,256 @@
+"""Concurrency slots and publish rates in PostgreSQL (``SlotSupport``, ``RateSupport``).
+
+One row per slot key and one per rate key, the holders (``{holder: lease
+expiry}``) or the window (``[[time, task id], …]``) kept as JSON in the
+row. Each operation is one ``INSERT … ON CONFLICT DO UPDATE`` whose new
+value is computed from the row it locked: PostgreSQL evaluates it on the
+row's latest version, so concurrent calls serialise on the row and a
+limit holds exactly, in one statement. Times are epoch seconds on the
+database's clock; each row carries an expiry, and expired rows are
+deleted by the call that finds the reap interval passed.
+
+Other SQL dialects (MySQL, MariaDB, SQLite) do not keep limits: a task
+using one there raises ``LimitsNotSupported``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from sqlalchemy import Column, Double, Table, Text, text
+
+from ..exceptions import LimitsNotSupported
+from .base import RateAnswer
+from .sql_dialects import KEY_LENGTH, _varchar, metadata
+
+__all__ = ["RATE_TABLE", "SLOT_TABLE", "SQLLimits", "rate_table", "slot_table"]
+
+T = TypeVar("T")
+
+SLOT_TABLE = "celery_dedup_sql_slot"
+RATE_TABLE = "celery_dedup_sql_rate"
+
+#: One row per concurrency key: its holders and their lease expiries (JSON).
+slot_table = Table(
+    SLOT_TABLE,
+    metadata,
+    Column("key", _varchar(KEY_LENGTH), primary_key=True),
+    Column("holders", Text(), nullable=False),
+    Column("expires_at", Double(), nullable=False),
+    mysql_engine="InnoDB",
+    mysql_charset="utf8mb4",
+)
+
+#: One row per rate key: its window of admitted publishes (JSON).
+rate_table = Table(
+    RATE_TABLE,
+    metadata,
+    Column("key", _varchar(KEY_LENGTH), primary_key=True),
+    Column("entries", Text(), nullable=False),
+    Column("expires_at", Double(), nullable=False),
+    mysql_engine="InnoDB",
+    mysql_charset="utf8mb4",
+)
+
+_NOW = "CAST(EXTRACT(EPOCH FROM statement_timestamp()) AS DOUBLE PRECISION)"
+
+TAKE_SLOT = text(f"""
+INSERT INTO {SLOT_TABLE} AS s (key, holders, expires_at)
+VALUES (:key, jsonb_build_object(CAST(:holder AS text), {_NOW} + :ttl)::text, {_NOW} + :ttl)
+ON CONFLICT (key) DO UPDATE SET
+  holders = (
+    WITH live AS (
+      SELECT e.k, CAST(e.v AS DOUBLE PRECISION) AS v
+      FROM jsonb_each_text(CAST(s.holders AS jsonb)) AS e(k, v)
+      WHERE CAST(e.v AS DOUBLE PRECISION) > {_NOW}
+    ), n AS (
+      SELECT count(*) AS c, coalesce(bool_or(k = :holder), false) AS mine FROM live
+    )
+    SELECT CASE WHEN n.mine OR n.c < :limit THEN
+        (coalesce((SELECT jsonb_object_agg(k, v) FROM live WHERE k <> :holder), '{{}}'::jsonb)
+         || jsonb_build_object(CAST(:holder AS text), {_NOW} + :ttl))::text
+      ELSE coalesce((SELECT jsonb_object_agg(k, v) FROM live), '{{}}'::jsonb)::text
+    END
+    FROM n
+  ),
+  expires_at = greatest(s.expires_at, {_NOW} + :ttl)
+RETURNING holders, {_NOW} AS now
+""")
+
+GIVE_SLOT = text(f"""
+UPDATE {SLOT_TABLE} SET holders = (CAST(holders AS jsonb) - CAST(:holder AS text))::text
+WHERE key = :key AND CAST(holders AS jsonb) ? :holder
+""")
+
+RENEW_SLOT = text(f"""
+UPDATE {SLOT_TABLE}
+SET holders = (CAST(holders AS jsonb)
+               || jsonb_build_object(CAST(:holder AS text), {_NOW} + :ttl))::text,
+    expires_at = greatest(expires_at, {_NOW} + :ttl)
+WHERE key = :key
+  AND CAST(CAST(holders AS jsonb) ->> CAST(:holder AS text) AS DOUBLE PRECISION) > {_NOW}
+""")
+
+READ_SLOTS = text(f"SELECT holders, {_NOW} AS now FROM {SLOT_TABLE} WHERE key = :key")
+
+# The window: entries newer than now - period, in time order. A new entry
+# goes at now when fewer than `limit` are in it, else at the time the
+# (n - limit + 1)th newest leaves it plus nothing earlier than now; it is
+# written when that is now, or always under `delay`.
+HIT_RATE = text(f"""
+INSERT INTO {RATE_TABLE} AS r (key, entries, expires_at)
+VALUES (:key, jsonb_build_array(jsonb_build_array({_NOW}, CAST(:member AS text)))::text,
+        {_NOW} + :period)
+ON CONFLICT (key) DO UPDATE SET
+  entries = (
+    WITH live AS (
+      SELECT CAST(e ->> 0 AS DOUBLE PRECISION) AS at, e ->> 1 AS m, ord
+      FROM jsonb_array_elements(CAST(r.entries AS jsonb)) WITH ORDINALITY AS t(e, ord)
+      WHERE CAST(e ->> 0 AS DOUBLE PRECISION) > {_NOW} - :period
+    ), n AS (
+      SELECT count(*) AS c FROM live
+    ), place AS (
+      SELECT CASE WHEN n.c < :limit THEN {_NOW}
+        ELSE greatest({_NOW}, (
+          SELECT z.at FROM (
+            SELECT at, row_number() OVER (ORDER BY at, ord) AS rn FROM live
+          ) AS z
+          WHERE z.rn = n.c - :limit + 1
+        ) + :period)
+      END AS at
+      FROM n
+    )
+    SELECT coalesce(jsonb_agg(x ORDER BY CAST(x ->> 0 AS DOUBLE PRECISION)), '[]'::jsonb)::text
+    FROM (
+      SELECT jsonb_build_array(at, m) AS x FROM live
+      UNION ALL
+      SELECT jsonb_build_array(place.at, CAST(:member AS text)) FROM place
+      WHERE place.at <= {_NOW} OR :delay
+    ) AS q
+  ),
+  expires_at = greatest(r.expires_at, {_NOW} + :period)
+    + CASE WHEN :delay THEN :period ELSE 0 END
+RETURNING entries, {_NOW} AS now
+""")
+
+READ_RATE = text(f"SELECT entries, {_NOW} AS now FROM {RATE_TABLE} WHERE key = :key")
+
+REAP = (
+    text(f"DELETE FROM {SLOT_TABLE} WHERE expires_at <= {_NOW}"),
+    text(f"DELETE FROM {RATE_TABLE} WHERE expires_at <= {_NOW}"),
+)
+
+
+class SQLLimits:
+    """``SlotSupport`` and ``RateSupport`` for ``SQLStore`` on PostgreSQL (a mixin).
+
+    Relies on the store's ``_run`` (a pooled connection, errors translated,
+    lost races run again) and ``engine``.
+    """
+
+    engine: Any
+    reap_interval: float
+    _next_limits_reap: float = 0.0
+
+    def _run(self, operation: Callable[[Any, Any], T], key: str = "") -> T:
+        raise NotImplementedError
+
+    def _limits(self, statement: Any, params: dict[str, Any], key: str) -> Any:
+        if self.engine.dialect.name != "postgresql":
+            name = self.engine.dialect.name
+            raise LimitsNotSupported("", "concurrency_limit or rate_limit_per_key", name)
+        if len(key) > KEY_LENGTH:
+            raise ValueError(f"limit key of {len(key)} characters; at most {KEY_LENGTH}")
+
+        def run(_dialect: Any, runner: Any) -> Any:
+            return runner.connection.execute(statement, params)
+
+        result = self._run(run, key)
+        self._maybe_reap_limits()
+        return result
+
+    def _maybe_reap_limits(self) -> None:
+        if not self.reap_interval or time.monotonic() < self._next_limits_reap:
+            return
+        self._next_limits_reap = time.monotonic() + self.reap_interval
+
+        def reap(_dialect: Any, runner: Any) -> None:
+            for statement in REAP:
+                runner.connection.execute(statement)
+
+        # Housekeeping never fails a call: expired rows are ignored anyway.
+        with contextlib.suppress(Exception):
+            self._run(reap)
+
+    # -- SlotSupport -------------------------------------------------------
+
+    def take_slot(self, key: str, holder: str, limit: int, ttl: float) -> tuple[bool, int]:
+        """Take a slot, or report the key full (one upsert)."""
+        params = {"key": key, "holder": holder, "limit": limit, "ttl": float(ttl)}
+        row = self._limits(TAKE_SLOT, params, key).one()
+        holders = json.loads(row.holders)
+        return holder in holders, len(holders)
+
+    def give_slot(self, key: str, holder: str) -> bool:
+        """Remove the holder (one UPDATE)."""
+        return bool(self._limits(GIVE_SLOT, {"key": key, "holder": holder}, key).rowcount)
+
+    def renew_slots(self, slots: Sequence[tuple[str, str]], ttl: float) -> int:
+        """Renew each live lease (one UPDATE per slot, on one connection)."""
+        if not slots:
+            return 0
+        renewed = 0
+        for key, holder in slots:
+            params = {"key": key, "holder": holder, "ttl": float(ttl)}
+            renewed += int(self._limits(RENEW_SLOT, params, key).rowcount or 0)
+        return renewed
+
+    def slots_in_use(self, key: str) -> int:
+        """How many live leases the key has (one SELECT)."""
+        row = self._limits(READ_SLOTS, {"key": key}, key).first()
+        if row is None:
+            return 0
+        now = float(row.now)
+        return sum(1 for expiry in json.loads(row.holders).values() if float(expiry) > now)
+
+    # -- RateSupport -------------------------------------------------------
+
+    def hit_rate(
+        self, key: str, member: str, limit: int, period: float, *, delay: bool
+    ) -> RateAnswer:
+        """Count the publish in the sliding window, or refuse it (one upsert)."""
+        params = {
+            "key": key, "member": member, "limit": limit, "period": float(period), "delay": delay
+        }
+        row = self._limits(HIT_RATE, params, key).one()
+        entries = [(float(at), str(m)) for at, m in json.loads(row.entries)]
+        now = float(row.now)
+        mine = [at for at, m in entries if m == member]
+        if mine:
+            return RateAnswer(True, max(0.0, mine[0] - now), len(entries), member)
+        return _refused(entries, now, limit, period)
+
+    def rate_window(self, key: str, limit: int, period: float) -> RateAnswer:
+        """The window as it is (one SELECT; nothing counted)."""
+        row = self._limits(READ_RATE, {"key": key}, key).first()
+        if row is None:
+            return RateAnswer(False, 0.0, 0, "")
+        now = float(row.now)
+        entries = [
+            (float(at), str(m)) for at, m in json.loads(row.entries) if float(at) > now - period
+        ]
+        return _refused(entries, now, limit, period)
+
+
+def _refused(entries: list[tuple[float, str]], now: float, limit: int, period: float) -> RateAnswer:
+    entries = sorted(entries)
+    n = len(entries)
+    last = entries[-1][1] if entries else ""
+    wait = 0.0
+    if n >= limit:
+        wait = max(0.0, entries[n - limit][0] + period - now)
+    return RateAnswer(False, wait, n, last)

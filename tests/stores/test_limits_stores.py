@@ -1,0 +1,126 @@
+"""``SlotSupport`` and ``RateSupport`` on every store that keeps them, on real servers."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from celery_dedup.stores import store_from_url
+from celery_dedup.stores.base import RateSupport, SlotSupport
+from celery_dedup.stores.memory import MemoryStore
+from tests.fixtures._store_case import StoreCase
+from tests.fixtures.redis import RedisServer
+
+
+@pytest.fixture(params=[
+    pytest.param("redis", marks=pytest.mark.redis, id="redis"),
+    pytest.param("redis-cluster", marks=pytest.mark.redis_cluster, id="redis-cluster"),
+    pytest.param("postgres", marks=pytest.mark.postgres, id="postgres"),
+    pytest.param("memory", id="memory"),
+])
+def limited_store(request: pytest.FixtureRequest) -> Iterator[object]:
+    """A store with slots and rates, emptied."""
+    if request.param in ("postgres", "redis-cluster"):
+        fixture = "store_postgres" if request.param == "postgres" else "store_redis_cluster"
+        case: StoreCase = request.getfixturevalue(fixture)
+        yield case.store
+        return
+    if request.param == "redis":
+        server: RedisServer = request.getfixturevalue("redis_server")
+        server.flush(9)
+        store = store_from_url(server.url(9))
+        yield store
+        server.flush(9)
+        return
+    yield MemoryStore()
+
+
+def test_slots_hold_a_limit_under_contention(limited_store: object) -> None:
+    """20 threads take a slot of one key with limit 3: exactly 3 get one."""
+    assert isinstance(limited_store, SlotSupport)
+    store = limited_store
+    taken: list[str] = []
+    barrier = threading.Barrier(20)
+
+    def take(n: int) -> None:
+        barrier.wait()
+        ok, in_use = store.take_slot("celery-dedup-slots:t:k", f"h{n}", 3, 30)
+        assert in_use <= 3
+        if ok:
+            taken.append(f"h{n}")
+
+    threads = [threading.Thread(target=take, args=(n,)) for n in range(20)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(taken) == 3
+    assert store.slots_in_use("celery-dedup-slots:t:k") == 3
+    assert store.take_slot("celery-dedup-slots:t:k", taken[0], 3, 30) == (True, 3)  # re-entry
+    assert store.renew_slots([("celery-dedup-slots:t:k", h) for h in taken], 30) == 3
+    assert store.give_slot("celery-dedup-slots:t:k", taken[0]) is True
+    assert store.give_slot("celery-dedup-slots:t:k", taken[0]) is False
+    assert store.take_slot("celery-dedup-slots:t:k", "late", 3, 30) == (True, 3)
+    assert store.renew_slots([("celery-dedup-slots:t:k", taken[0])], 30) == 0
+
+
+def test_rate_window_admits_exactly_the_limit(limited_store: object) -> None:
+    """20 threads hit a 5-per-minute window at once: 5 admitted, 15 refused with a wait."""
+    assert isinstance(limited_store, RateSupport)
+    store = limited_store
+    answers = []
+    lock = threading.Lock()
+    barrier = threading.Barrier(20)
+
+    def hit(n: int) -> None:
+        barrier.wait()
+        answer = store.hit_rate("celery-dedup-rate:t:k", f"id{n}", 5, 60, delay=False)
+        with lock:
+            answers.append((f"id{n}", answer))
+
+    threads = [threading.Thread(target=hit, args=(n,)) for n in range(20)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    admitted = [member for member, a in answers if a.admitted]
+    refused = [a for _, a in answers if not a.admitted]
+    assert len(admitted) == 5
+    assert all(0 < a.wait <= 60 and a.count == 5 and a.last in admitted for a in refused)
+    window = store.rate_window("celery-dedup-rate:t:k", 5, 60)
+    assert window.count == 5 and window.last in admitted and 0 < window.wait <= 60
+    # Delayed: every call admitted, at places 60 s apart per 5.
+    waits = [
+        store.hit_rate("celery-dedup-rate:t:k", f"later{n}", 5, 60, delay=True).wait
+        for n in range(10)
+    ]
+    assert all(55 < w <= 60 for w in waits[:5])
+    assert all(115 < w <= 120 for w in waits[5:])
+
+
+def test_sqlite_keeps_no_limits(sqlite_url: str) -> None:
+    """A SQL dialect other than PostgreSQL refuses loudly instead of running unlimited."""
+    from celery_dedup import LimitsNotSupported
+
+    store = store_from_url(sqlite_url)
+    assert isinstance(store, SlotSupport) and isinstance(store, RateSupport)
+    with pytest.raises(LimitsNotSupported, match="sqlite"):
+        store.take_slot("k", "h", 1, 10)
+    with pytest.raises(LimitsNotSupported, match="sqlite"):
+        store.hit_rate("k", "m", 1, 10, delay=False)
+
+
+def test_redis_limit_keys_carry_a_ttl(redis_server: RedisServer) -> None:
+    """Every slot and rate key Redis keeps expires by itself (a crashed holder's too)."""
+    redis_server.flush(9)
+    store = store_from_url(redis_server.url(9))
+    assert isinstance(store, SlotSupport) and isinstance(store, RateSupport)
+    store.take_slot("celery-dedup-slots:t:k", "h", 2, 30)
+    store.hit_rate("celery-dedup-rate:t:k", "id1", 1, 60, delay=False)
+    store.hit_rate("celery-dedup-rate:t:k", "id2", 1, 60, delay=True)  # reserved 60 s ahead
+    client = redis_server.client(9)
+    assert 0 < client.pttl("celery-dedup-slots:t:k") <= 30_000
+    assert 60_000 < client.pttl("celery-dedup-rate:t:k") <= 120_000
+    redis_server.flush(9)
