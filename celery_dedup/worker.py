@@ -18,7 +18,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 from celery import states
 from celery.exceptions import Ignore, Retry, TimeLimitExceeded, WorkerLostError
@@ -578,7 +578,7 @@ def _defer_to_pending_replacement(
     if holder.owner == owner:
         # The replacing publish failed and gave the key back meanwhile: this
         # message owns it again, so it comes back to claim it (never skipped).
-        raise task.retry(countdown=0, max_retries=int(task.request.retries or 0) + 1)
+        _come_back(task, 0)
     retries = int(task.request.retries or 0)
     logger.info(
         "celery-dedup: %s[%s] waits for its replacement %s to start (lock %s)",
@@ -587,7 +587,22 @@ def _defer_to_pending_replacement(
         holder.task_id,
         short(key),
     )
-    raise task.retry(countdown=min(0.5 * 2**retries, 30.0), max_retries=retries + 1)
+    _come_back(task, min(0.5 * 2**retries, 30.0))
+
+
+def _come_back(task: DedupTaskLike, countdown: float) -> NoReturn:
+    """Publish this message's retry, then end this one without writing a state.
+
+    Celery stores RETRY only after the retry's message is published: a revoke
+    of this id landing in between discards that message (REVOKED), and the
+    late RETRY would stand for ever over it. So the retry is published and
+    this run ends with ``Ignore``, as a skip does.
+    """
+    max_retries = int(task.request.retries or 0) + 1
+    if task.request.is_eager:
+        raise task.retry(countdown=countdown, max_retries=max_retries)
+    task.retry(countdown=countdown, max_retries=max_retries, throw=False)
+    raise Ignore("celery-dedup: comes back for its lock")
 
 
 def _remember_guard(request: Any, header: LockHeader) -> None:

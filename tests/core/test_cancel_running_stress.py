@@ -215,7 +215,16 @@ def test_random_cancels_and_capped_replaces(worker: Worker, redis_server: RedisS
 
     # Nothing left pending: every published message reached a final state.
     for result in published:
-        wait_until(lambda r=result: state_of(app, r.id) in FINAL, timeout=60)
+        try:
+            wait_until(lambda r=result: state_of(app, r.id) in FINAL, timeout=60)
+        except AssertionError:
+            log = "\n".join(
+                line for line in worker.log.read_text().splitlines() if result.id in line
+            )
+            raise AssertionError(
+                f"{about}: {result.id} ({result.deduplication_key}) stayed "
+                f"{state_of(app, result.id)}; its worker log lines:\n{log}"
+            ) from None
     for result in last.values():
         wait_until(lambda r=result: inspect_lock(r.deduplication_key, app=app) is None, 30)
 
