@@ -120,17 +120,18 @@ def _of(value: Any) -> str:
 
 
 def live_limit_lines(found: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[str]:
-    """``live_keys`` as the CLI prints it: one table per kind."""
+    """``live_keys`` as the CLI prints it: a table per kind that has keys."""
+    slots, windows = found["concurrency"], found["rate"]
+    if not slots and not windows:
+        return ["No slots in use and no publishes in any rate window."]
     lines: list[str] = []
-    slots = found["concurrency"]
     if slots:
         rows = [
             (row["digest"][:16], row["task"], f"{row['in_use']}/{_of(row['limit'])}")
             for row in slots
         ]
         lines += render_table(rows, ("DIGEST", "TASK", "SLOTS IN USE"))
-    lines.append(f"{len(slots)} concurrency key{'' if len(slots) == 1 else 's'} in use.")
-    windows = found["rate"]
+        lines.append(f"{_plural(len(slots), 'concurrency key')} in use.")
     if windows:
         cells = [
             (
@@ -142,8 +143,10 @@ def live_limit_lines(found: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[s
             )
             for row in windows
         ]
-        lines += ["", *render_table(cells, ("DIGEST", "TASK", "IN WINDOW", "PERIOD", "ROOM IN"))]
-    lines.append(f"{len(windows)} rate key{'' if len(windows) == 1 else 's'} with publishes.")
+        if lines:
+            lines.append("")
+        lines += render_table(cells, ("DIGEST", "TASK", "IN WINDOW", "PERIOD", "ROOM IN"))
+        lines.append(f"{_plural(len(windows), 'rate key')} with publishes.")
     return lines
 
 
@@ -721,7 +724,7 @@ def check(ctx: click.Context, /, as_json: bool, timeout: float, **kwargs: Any) -
 def limits(
     ctx: click.Context, /, task_name: str | None, key: str | None, as_json: bool, **kwargs: Any
 ) -> None:
-    """Show the live concurrency and rate keys, or one key's slots and window.
+    """List the per-key slots and rate windows in use.
 
     For tasks with per-key limits (concurrency_limit, rate_limit_per_key).
     Without KEY: every concurrency key with slots in use and every rate
