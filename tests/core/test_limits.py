@@ -375,7 +375,8 @@ def test_cli_lists_every_live_key(listed_store: object) -> None:
     bob = limits_app.ping_hourly.delay("bob", 0).id
     assert isinstance(store, RateSupport)
     ann_rate = rate_store_key("celery-dedup", limits_app.ping_hourly.name, "ann")
-    assert store.rate_window(ann_rate, 3, 3600).count == 3
+    window = store.rate_window(ann_rate, 3, 3600)
+    assert window.count == 3 and window.last in ids
 
     def run(*args: str) -> Any:
         result = CliRunner().invoke(
@@ -398,7 +399,8 @@ def test_cli_lists_every_live_key(listed_store: object) -> None:
     assert (ann["task"], ann["count"], ann["limit"], ann["period"]) == (
         limits_app.ping_hourly.name, 3, 3, 3600.0
     )
-    assert ann["last_task_id"] == ids[-1] and 3000 < ann["free_in"] <= 3600
+    # the newest entry, as the store's own window read names it (ties: by member)
+    assert ann["last_task_id"] == window.last and 3000 < ann["free_in"] <= 3600
     assert (bob_row["count"], bob_row["free_in"], bob_row["last_task_id"]) == (1, 0, bob)
 
     only = json.loads(run(limits_app.ping_hourly.name, "--json"))
@@ -502,3 +504,43 @@ def test_memory_store_slots_follow_the_protocol() -> None:
     now[0] += 11
     assert store.slots_in_use("k") == 0
     assert store.renew_slots([("k", "h2")], 10) == 0
+
+
+def test_listing_counts_the_tasks_period_and_lapsed_slots() -> None:
+    """``live_keys`` counts a rate key's entries inside its task's period only, drops lapsed
+    slots, and lists a key of a task no longer registered with an unknown (``None``) limit.
+    """
+    from celery import Celery
+
+    from celery_dedup.identity import digest
+    from celery_dedup.limits import live_keys, rate_store_key
+
+    app = Celery("listing", set_as_current=False)
+
+    @app.task(base=DedupTask, shared=False, rate_limit_per_key="2/m", rate_key="{user}",
+              concurrency_limit=3, concurrency_key="{user}")
+    def job(user: str) -> None:
+        return None
+
+    now = [1000.0]
+    store = MemoryStore(clock=lambda: now[0])
+    rate = rate_store_key("celery-dedup", job.name, "ann")
+    for member in ("old", "a", "b"):
+        store.hit_rate(rate, member, 10, 3600, delay=False)
+        now[0] += 20  # "old" is 62 s old at the end: outside job's 60 s period
+    store.hit_rate(rate_store_key("celery-dedup", "gone.task", "x"), "g", 5, 60, delay=False)
+    store.take_slot(concurrency_store_key("celery-dedup", job.name, "ann"), "h1", 3, 100)
+    store.take_slot(concurrency_store_key("celery-dedup", job.name, "bob"), "h2", 3, 1)
+    now[0] += 2  # bob's slot lapsed
+
+    listed = live_keys(store, "celery-dedup", app.tasks)
+    assert listed["concurrency"] == [
+        {"task": job.name, "digest": digest("ann"), "in_use": 1, "limit": 3}
+    ]
+    rows = {row["task"]: row for row in listed["rate"]}
+    assert rows["gone.task"]["limit"] is None and rows["gone.task"]["count"] == 1
+    ann = rows[job.name]
+    assert (ann["count"], ann["limit"], ann["period"], ann["last_task_id"]) == (2, 2, 60.0, "b")
+    assert ann["free_in"] == pytest.approx(18.0)  # when "a" (42 s old) leaves the window
+    assert [row["task"] for row in live_keys(store, "celery-dedup", app.tasks, "gone.task")[
+        "rate"]] == ["gone.task"]
