@@ -240,7 +240,14 @@ class RedisLimits:
                     pipe = client.pipeline(transaction=False)
                     for physical in batch:
                         script(keys=[physical], args=[], client=pipe)
-                    for physical, raw in zip(batch, pipe.execute(), strict=True):
+                    for physical, raw in zip(
+                        batch, pipe.execute(raise_on_error=False), strict=True
+                    ):
+                        if isinstance(raw, Exception):
+                            # Another program's key of another type: not ours.
+                            if str(raw).startswith("WRONGTYPE"):
+                                continue
+                            raise raw
                         pairs = raw[1:]
                         entries = [
                             (_text(pairs[i]), float(pairs[i + 1]))

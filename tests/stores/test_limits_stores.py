@@ -169,3 +169,14 @@ def test_listing_finds_the_live_slot_and_rate_keys(limited_store: object) -> Non
     assert [w.key for w in store.list_rates("celery-dedup-rate:axb:")] == [
         "celery-dedup-rate:axb:r2"
     ]
+
+
+def test_redis_listing_skips_other_keys_under_the_prefix(redis_server: RedisServer) -> None:
+    """A key of another type that happens to match the prefix is not a limit key."""
+    redis_server.flush(9)
+    store = store_from_url(redis_server.url(9))
+    assert isinstance(store, LimitListing) and isinstance(store, SlotSupport)
+    redis_server.client(9).set("celery-dedup-slots:t:not-a-zset", "x", ex=60)
+    store.take_slot("celery-dedup-slots:t:k", "h", 2, 30)
+    assert [s.key for s in store.list_slots("celery-dedup-slots:")] == ["celery-dedup-slots:t:k"]
+    redis_server.flush(9)
