@@ -26,7 +26,7 @@ The same operations back ``manage.py dedup_locks`` (``Operator``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -113,6 +113,41 @@ def render_table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> Iterab
     for row in (header, *rows):
         cells = (cell.ljust(width) for cell, width in zip(row, widths, strict=True))
         yield "  ".join(cells).rstrip()
+
+
+def _of(value: Any) -> str:
+    return "?" if value is None else str(value)
+
+
+def live_limit_lines(found: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[str]:
+    """``live_keys`` as the CLI prints it: a table per kind that has keys."""
+    slots, windows = found["concurrency"], found["rate"]
+    if not slots and not windows:
+        return ["No slots in use and no publishes in any rate window."]
+    lines: list[str] = []
+    if slots:
+        rows = [
+            (row["digest"][:16], row["task"], f"{row['in_use']}/{_of(row['limit'])}")
+            for row in slots
+        ]
+        lines += render_table(rows, ("DIGEST", "TASK", "SLOTS IN USE"))
+        lines.append(f"{_plural(len(slots), 'concurrency key')} in use.")
+    if windows:
+        cells = [
+            (
+                row["digest"][:16],
+                row["task"],
+                f"{row['count']}/{_of(row['limit'])}",
+                "?" if row["period"] is None else f"{row['period']:g}s",
+                f"{row['free_in']:.1f}s" if row["free_in"] else "now",
+            )
+            for row in windows
+        ]
+        if lines:
+            lines.append("")
+        lines += render_table(cells, ("DIGEST", "TASK", "IN WINDOW", "PERIOD", "ROOM IN"))
+        lines.append(f"{_plural(len(windows), 'rate key')} with publishes.")
+    return lines
 
 
 # -- what a lock's holder is doing, and whether the lock is still needed ------
@@ -682,17 +717,22 @@ def check(ctx: click.Context, /, as_json: bool, timeout: float, **kwargs: Any) -
 
 
 @dedup.command(cls=CeleryCommand)
-@click.argument("task_name", metavar="TASK")
-@click.argument("key", metavar="KEY")
+@click.argument("task_name", metavar="[TASK", required=False)
+@click.argument("key", metavar="[KEY]]", required=False)
 @_json_option
 @click.pass_context
-def limits(ctx: click.Context, /, task_name: str, key: str, as_json: bool, **kwargs: Any) -> None:
-    """Show one key's slots and rate window.
+def limits(
+    ctx: click.Context, /, task_name: str | None, key: str | None, as_json: bool, **kwargs: Any
+) -> None:
+    """List the per-key slots and rate windows in use.
 
-    For a task with per-key limits (concurrency_limit, rate_limit_per_key).
-    KEY is what the task's concurrency_key / rate_key yields for a call
-    (e.g. the user "42" for "{user}"), or the full lock key when the limit
-    is keyed on the deduplication key.
+    For tasks with per-key limits (concurrency_limit, rate_limit_per_key).
+    Without KEY: every concurrency key with slots in use and every rate
+    key with publishes in its window (of TASK only, when given), by the
+    digest of the key (the key's text is never stored). KEY is what the
+    task's concurrency_key / rate_key yields for a call (e.g. the user
+    "42" for "{user}"), or the full lock key when the limit is keyed on the
+    deduplication key.
     """
     from . import limits as per_key
     from .exceptions import DedupError
@@ -701,10 +741,23 @@ def limits(ctx: click.Context, /, task_name: str, key: str, as_json: bool, **kwa
     app = ctx.obj.app
     app.loader.import_default_modules()
     app.finalize()
-    task = app.tasks.get(task_name)
-    if not isinstance(task, DedupTask):
-        raise click.ClickException(f"no DedupTask named {task_name!r}")
     try:
+        if key is None:
+            runtime = runtime_for(app)
+            if task_name is not None and not isinstance(app.tasks.get(task_name), DedupTask):
+                raise click.ClickException(f"no DedupTask named {task_name!r}")
+            listed = per_key.live_keys(
+                runtime.store, runtime.settings.key_prefix, app.tasks, task_name
+            )
+            if as_json:
+                ctx.obj.echo(dumps(listed))
+                return
+            for line in live_limit_lines(listed):
+                ctx.obj.echo(line)
+            return
+        task = app.tasks.get(task_name)
+        if not isinstance(task, DedupTask):
+            raise click.ClickException(f"no DedupTask named {task_name!r}")
         found = per_key.usage(task, key)
     except DedupError as exc:
         raise click.ClickException(str(exc)) from exc

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Final
 from .exceptions import InvalidOptionError, LimitsNotSupported
 from .identity import digest
 from .options import naming_task, validate_choice
-from .stores.base import RateSupport, SlotSupport
+from .stores.base import LimitListing, RateSupport, SlotSupport
 
 if TYPE_CHECKING:
     from .task import DedupTask
@@ -53,6 +53,7 @@ __all__ = [
     "concurrency_store_key",
     "key_text",
     "limits_of",
+    "live_keys",
     "parse_rate",
     "rate_store_key",
     "rates_of",
@@ -250,10 +251,10 @@ def usage(task: DedupTask, text: str) -> dict[str, Any]:
     """
     limits = limits_of(task)
     if limits is None:
-        return {"task": task.name, "key": text}
+        return {"task": task.name, "key": text, "digest": digest(text)}
     runtime = task.dedup_config().runtime
     prefix = runtime.settings.key_prefix
-    found: dict[str, Any] = {"task": task.name, "key": text}
+    found: dict[str, Any] = {"task": task.name, "key": text, "digest": digest(text)}
     if limits.concurrency is not None:
         slots = slots_of(task, runtime.store)
         found["concurrency"] = {
@@ -277,7 +278,7 @@ def usage(task: DedupTask, text: str) -> dict[str, Any]:
 
 def usage_lines(found: Mapping[str, Any]) -> list[str]:
     """``usage`` as the CLI prints it."""
-    lines = [f"{found['task']}  key {found['key']!r}"]
+    lines = [f"{found['task']}  key {found['key']!r}  (digest {found['digest'][:16]})"]
     if "concurrency" not in found and "rate" not in found:
         return [*lines, "  no concurrency_limit or rate_limit_per_key"]
     if "concurrency" in found:
@@ -295,3 +296,68 @@ def usage_lines(found: Mapping[str, Any]) -> list[str]:
         if rate["last_task_id"]:
             lines.append(f"  last publish {rate['last_task_id']}")
     return lines
+
+
+def _split(store_key: str, kind: str) -> tuple[str, str]:
+    """``(task name, digest)`` of ``<prefix>-<kind>:<task name>:<digest>``."""
+    rest = store_key.split(f"-{kind}:", 1)[-1]
+    task_name, _, hashed = rest.rpartition(":")
+    return task_name, hashed
+
+
+def _own_limits(tasks: Mapping[str, Any], name: str) -> Limits | None:
+    task = tasks.get(name)
+    if task is None or not hasattr(task, "dedup_config"):
+        return None
+    return limits_of(task)
+
+
+def live_keys(
+    store: object, prefix: str, tasks: Mapping[str, Any], task_name: str | None = None
+) -> dict[str, list[dict[str, Any]]]:
+    """Every live concurrency key (slots in use) and rate key (publishes in the window).
+
+    ``tasks`` (the app's registry) gives each key its task's limit and
+    period; a key of a task no longer registered (or no longer limited)
+    shows its store's count and a ``None`` limit. Keys name the task and
+    the digest of the limit key's text: the text itself is never stored.
+    One SCAN (Redis) or one SELECT (PostgreSQL) per kind.
+    """
+    if not isinstance(store, LimitListing):
+        raise LimitsNotSupported(task_name or "", "a listing of the limit keys",
+                                 getattr(store, "name", "none"))
+    scope = f"{task_name}:" if task_name else ""
+    concurrency = []
+    for slot in store.list_slots(f"{prefix}-slots:{scope}"):
+        name, hashed = _split(slot.key, "slots")
+        limits = _own_limits(tasks, name)
+        concurrency.append({
+            "task": name,
+            "digest": hashed,
+            "in_use": slot.in_use,
+            "limit": None if limits is None else limits.concurrency,
+        })
+    rates = []
+    for window in store.list_rates(f"{prefix}-rate:{scope}"):
+        name, hashed = _split(window.key, "rate")
+        limits = _own_limits(tasks, name)
+        rate = None if limits is None else limits.rate
+        ages = [age for age in window.ages if rate is None or age < rate.period]
+        if not ages:
+            continue
+        free_in = 0.0
+        if rate is not None and len(ages) >= rate.limit:
+            # the window has room once its limit-th newest entry leaves it
+            free_in = max(0.0, rate.period - ages[rate.limit - 1])
+        rates.append({
+            "task": name,
+            "digest": hashed,
+            "count": len(ages),
+            "limit": None if rate is None else rate.limit,
+            "period": None if rate is None else rate.period,
+            "free_in": free_in,
+            "last_task_id": window.last,
+        })
+    order = lambda row: (row["task"], row["digest"])  # noqa: E731
+    return {"concurrency": sorted(concurrency, key=order), "rate": sorted(rates, key=order)}
+

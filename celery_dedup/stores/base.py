@@ -43,17 +43,20 @@ __all__ = [
     "CounterSupport",
     "Durability",
     "DurabilityReport",
+    "LimitListing",
     "Lock",
     "LockMeta",
     "LockStore",
     "QueuedTakeOver",
     "RateAnswer",
     "RateSupport",
+    "RateWindow",
     "RevokeOutcome",
     "RunOutcome",
     "RunRecords",
     "RunRef",
     "SlotSupport",
+    "SlotUsage",
     "os_error_kind",
     "refused_unless_passed",
     "revoked_marker_key",
@@ -440,6 +443,47 @@ class RateSupport(Protocol):
     def rate_window(self, key: str, limit: int, period: float) -> RateAnswer:
         """The window of ``key`` as it is (nothing counted): its count, its last
         member and (``wait``) when it has room again under ``limit``.
+        """
+
+
+@dataclass(frozen=True)
+class SlotUsage:
+    """One live concurrency key as ``LimitListing.list_slots`` finds it."""
+
+    #: the store key (``<prefix>-slots:<task name>:<digest>``)
+    key: str
+    #: how many live leases it has
+    in_use: int
+
+
+@dataclass(frozen=True)
+class RateWindow:
+    """One live rate key as ``LimitListing.list_rates`` finds it."""
+
+    #: the store key (``<prefix>-rate:<task name>:<digest>``)
+    key: str
+    #: seconds since each entry was admitted, on the store's clock (negative:
+    #: a place a delayed publish reserved ahead), newest first
+    ages: tuple[float, ...]
+    #: the task id of the newest entry ("" when none)
+    last: str = ""
+
+
+@runtime_checkable
+class LimitListing(Protocol):
+    """**Protocol:** a store that can list its live slot and rate keys (the operator views).
+
+    Read by ``celery dedup limits`` and the Django admin, never on a call's
+    path. The store keys name the task and a digest of the limit key's
+    text, never the text itself.
+    """
+
+    def list_slots(self, prefix: str) -> list[SlotUsage]:
+        """Every slot key starting with ``prefix`` that has a live lease."""
+
+    def list_rates(self, prefix: str) -> list[RateWindow]:
+        """Every rate key starting with ``prefix`` that holds entries (the key's TTL bounds
+        them; the caller counts those inside the task's period).
         """
 
 

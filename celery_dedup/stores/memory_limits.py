@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 
-from .base import RateAnswer
+from .base import RateAnswer, RateWindow, SlotUsage
 
 __all__ = ["MemoryLimits"]
 
@@ -84,6 +84,29 @@ class MemoryLimits:
         """The window as it is (nothing counted)."""
         with self._mutex:
             return self._hit(key, "", limit, period, None)
+
+    def list_slots(self, prefix: str) -> list[SlotUsage]:
+        """Every slot key under ``prefix`` with a live lease."""
+        with self._mutex:
+            now = self.clock()
+            found = [
+                SlotUsage(key, len(self._live_slots(key, now)))
+                for key in sorted(self._slots)
+                if key.startswith(prefix)
+            ]
+        return [usage for usage in found if usage.in_use]
+
+    def list_rates(self, prefix: str) -> list[RateWindow]:
+        """Every rate key under ``prefix`` with entries."""
+        with self._mutex:
+            now = self.clock()
+            found = []
+            for key in sorted(self._rates):
+                newest = sorted(self._rates[key].items(), key=lambda item: -item[1])
+                if key.startswith(prefix) and newest:
+                    ages = tuple(now - at for _, at in newest)
+                    found.append(RateWindow(key, ages, newest[0][0]))
+        return found
 
     def _hit(
         self, key: str, member: str, limit: int, period: float, delay: bool | None

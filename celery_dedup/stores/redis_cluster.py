@@ -143,6 +143,11 @@ class RedisClusterStore(RedisStore):
                 node_client = self.client.get_redis_connection(node)
                 yield from self._scan_client(node_client, prefix)
 
+    def _limit_nodes(self) -> list[Any]:
+        """Each primary's client: ``list_slots``/``list_rates`` SCAN them in turn."""
+        with self._boundary():
+            return [self.client.get_redis_connection(node) for node in self.client.get_primaries()]
+
     def renew_runs(self, runs: Sequence[RunRef], lease: float) -> int:
         """Renew every lease its copy holds: one EVALSHA per run (on its key's primary)."""
         ms = _ms(lease)

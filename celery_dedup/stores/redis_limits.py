@@ -17,7 +17,7 @@ from typing import Any
 import redis
 from redis.commands.core import Script
 
-from .base import RateAnswer
+from .base import RateAnswer, RateWindow, SlotUsage
 
 __all__ = ["RedisLimits"]
 
@@ -107,6 +107,17 @@ return {1, at - now, n + 1, ARGV[1]}
 """
 
 
+# KEYS[1] - a slot or rate key
+# return {now in ms, member, score, member, score, ...} newest first
+READ_KEY = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local found = redis.call('ZREVRANGE', KEYS[1], 0, -1, 'WITHSCORES')
+table.insert(found, 1, now)
+return found
+"""
+
+
 def _ms(seconds: float) -> int:
     return max(1, int(seconds * 1000))
 
@@ -141,7 +152,12 @@ class RedisLimits:
             "renew": register(RENEW_SLOT),
             "in_use": register(SLOTS_IN_USE),
             "rate": register(HIT_RATE),
+            "read": register(READ_KEY),
         }
+
+    def _limit_nodes(self) -> list[Any]:
+        """The clients to SCAN (a cluster: one per primary)."""
+        return [self.client]
 
     # -- SlotSupport -------------------------------------------------------
 
@@ -189,6 +205,60 @@ class RedisLimits:
         """The window as it is (one EVALSHA that counts nothing)."""
         args = ["", limit, _ms(period), ""]
         return _answer(self._run(self._limit_scripts["rate"], [self._k(key)], args))
+
+
+    # -- LimitListing ------------------------------------------------------
+
+    def list_slots(self, prefix: str) -> list[SlotUsage]:
+        """Every slot key under ``prefix`` with a live lease (SCAN, then one pipelined
+        read per batch of keys)."""
+        found = []
+        for key, now, entries in self._read_keys(prefix):
+            live = sum(1 for _, expiry in entries if expiry > now)
+            if live:
+                found.append(SlotUsage(key, live))
+        return found
+
+    def list_rates(self, prefix: str) -> list[RateWindow]:
+        """Every rate key under ``prefix`` with entries (SCAN, then pipelined reads)."""
+        return [
+            RateWindow(key, tuple((now - at) / 1000.0 for _, at in entries), entries[0][0])
+            for key, now, entries in self._read_keys(prefix)
+            if entries
+        ]
+
+    def _read_keys(self, prefix: str) -> list[tuple[str, float, list[tuple[str, float]]]]:
+        script = self._limit_scripts["read"]
+        pattern = _glob_escape(self._k(prefix)) + "*"
+        strip = len(self._k(""))
+        found = []
+        with self._boundary():
+            for client in self._limit_nodes():
+                keys = [_text(k) for k in client.scan_iter(match=pattern, count=500)]
+                for start in range(0, len(keys), 500):
+                    batch = keys[start : start + 500]
+                    pipe = client.pipeline(transaction=False)
+                    for physical in batch:
+                        script(keys=[physical], args=[], client=pipe)
+                    for physical, raw in zip(
+                        batch, pipe.execute(raise_on_error=False), strict=True
+                    ):
+                        if isinstance(raw, Exception):
+                            # Another program's key of another type: not ours.
+                            if str(raw).startswith("WRONGTYPE"):
+                                continue
+                            raise raw
+                        pairs = raw[1:]
+                        entries = [
+                            (_text(pairs[i]), float(pairs[i + 1]))
+                            for i in range(0, len(pairs), 2)
+                        ]
+                        found.append((physical[strip:], float(raw[0]), entries))
+        return sorted(found)
+
+
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
 
 def _answer(raw: Sequence[Any]) -> RateAnswer:

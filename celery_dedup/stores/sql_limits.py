@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 from sqlalchemy import Column, Double, Table, Text, text
 
 from ..exceptions import LimitsNotSupported
-from .base import RateAnswer
+from .base import RateAnswer, RateWindow, SlotUsage
 from .sql_dialects import KEY_LENGTH, _varchar, metadata
 
 __all__ = ["RATE_TABLE", "SLOT_TABLE", "SQLLimits", "rate_table", "slot_table"]
@@ -139,6 +139,16 @@ RETURNING entries, {_NOW} AS now
 
 READ_RATE = text(f"SELECT entries, {_NOW} AS now FROM {RATE_TABLE} WHERE key = :key")
 
+LIST_SLOTS = text(
+    f"SELECT key, holders, {_NOW} AS now FROM {SLOT_TABLE} "
+    f"WHERE key LIKE :pattern ESCAPE '\\' AND expires_at > {_NOW} ORDER BY key"
+)
+
+LIST_RATES = text(
+    f"SELECT key, entries, {_NOW} AS now FROM {RATE_TABLE} "
+    f"WHERE key LIKE :pattern ESCAPE '\\' AND expires_at > {_NOW} ORDER BY key"
+)
+
 REAP = (
     text(f"DELETE FROM {SLOT_TABLE} WHERE expires_at <= {_NOW}"),
     text(f"DELETE FROM {RATE_TABLE} WHERE expires_at <= {_NOW}"),
@@ -244,6 +254,37 @@ class SQLLimits:
             (float(at), str(m)) for at, m in json.loads(row.entries) if float(at) > now - period
         ]
         return _refused(entries, now, limit, period)
+
+
+    # -- LimitListing ------------------------------------------------------
+
+    def list_slots(self, prefix: str) -> list[SlotUsage]:
+        """Every slot key under ``prefix`` with a live lease (one SELECT)."""
+        found = []
+        for row in self._limits(LIST_SLOTS, {"pattern": _like(prefix)}, prefix):
+            now = float(row.now)
+            live = sum(1 for expiry in json.loads(row.holders).values() if float(expiry) > now)
+            if live:
+                found.append(SlotUsage(str(row.key), live))
+        return found
+
+    def list_rates(self, prefix: str) -> list[RateWindow]:
+        """Every rate key under ``prefix`` with entries (one SELECT)."""
+        found = []
+        for row in self._limits(LIST_RATES, {"pattern": _like(prefix)}, prefix):
+            now = float(row.now)
+            entries = sorted(
+                ((float(at), str(m)) for at, m in json.loads(row.entries)), reverse=True
+            )
+            if entries:
+                ages = tuple(now - at for at, _ in entries)
+                found.append(RateWindow(str(row.key), ages, entries[0][1]))
+        return found
+
+
+def _like(prefix: str) -> str:
+    escaped = prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    return escaped + "%"
 
 
 def _refused(entries: list[tuple[float, str]], now: float, limit: int, period: float) -> RateAnswer:

@@ -73,6 +73,18 @@ def ping(user: str, n: int) -> int:
     return n
 
 
+@app.task(
+    base=DedupTask,
+    identity="always_unique",
+    rate_limit_per_key="3/h",
+    rate_key="{user}",
+    on_duplicate="raise",
+)
+def ping_hourly(user: str, n: int) -> int:
+    """A call counted per user in an hour-long window (the listing tests read it)."""
+    return n
+
+
 Answer = tuple[int, str, float, float, float]
 
 

@@ -23,7 +23,7 @@ from celery_dedup import (
 )
 from celery_dedup.limits import concurrency_store_key, parse_rate
 from celery_dedup.runtime import runtime_for
-from celery_dedup.stores.base import SlotSupport
+from celery_dedup.stores.base import RateSupport, SlotSupport
 from celery_dedup.stores.memory import MemoryStore
 from tests.apps import limits_app
 from tests.fixtures._servers import stop
@@ -335,6 +335,91 @@ def test_cli_shows_slots_and_window(limits_env: dict[str, str]) -> None:
     assert "1 of 5 publishes in the last 1s" in text
 
 
+@pytest.fixture(params=[
+    pytest.param("redis", marks=pytest.mark.redis, id="redis"),
+    pytest.param("postgres", marks=pytest.mark.postgres, id="postgres"),
+])
+def listed_store(
+    request: pytest.FixtureRequest, limits_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> object:
+    """The limits app's store: its Redis result backend, or a PostgreSQL ``dedup_store``."""
+    if request.param == "postgres":
+        case = request.getfixturevalue("store_postgres")
+        monkeypatch.setitem(limits_app.app.conf, "dedup_store", case.url)
+    else:
+        monkeypatch.setitem(limits_app.app.conf, "dedup_store", None)
+    return runtime_for(limits_app.app).store
+
+
+def test_cli_lists_every_live_key(listed_store: object) -> None:
+    """``celery dedup limits`` (no KEY) lists each concurrency key with its slots in use and
+    each rate key with its count in the window, by task and digest; ``TASK`` narrows it.
+    """
+    import json
+
+    from celery.bin.celery import celery
+    from click.testing import CliRunner
+
+    from celery_dedup import RateLimited
+    from celery_dedup.identity import digest
+    from celery_dedup.limits import rate_store_key
+
+    store = listed_store
+    assert isinstance(store, SlotSupport)
+    for user in ("ann", "bob"):
+        key = concurrency_store_key("celery-dedup", limits_app.hold.name, user)
+        assert store.take_slot(key, f"holder-{user}", 1, 60) == (True, 1)
+    ids = [limits_app.ping_hourly.delay("ann", n).id for n in range(3)]
+    with pytest.raises(RateLimited):
+        limits_app.ping_hourly.delay("ann", 3)
+    bob = limits_app.ping_hourly.delay("bob", 0).id
+    assert isinstance(store, RateSupport)
+    ann_rate = rate_store_key("celery-dedup", limits_app.ping_hourly.name, "ann")
+    window = store.rate_window(ann_rate, 3, 3600)
+    assert window.count == 3 and window.last in ids
+
+    def run(*args: str) -> Any:
+        result = CliRunner().invoke(
+            celery, ["-A", "tests.apps.limits_app:app", "dedup", "limits", *args]
+        )
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    listed = json.loads(run("--json"))
+    assert listed["concurrency"] == sorted(
+        (
+            {"task": limits_app.hold.name, "digest": digest(user), "in_use": 1, "limit": 1}
+            for user in ("ann", "bob")
+        ),
+        key=lambda row: row["digest"],
+    )
+    rates = {row["digest"]: row for row in listed["rate"]}
+    assert set(rates) == {digest("ann"), digest("bob")}
+    ann, bob_row = rates[digest("ann")], rates[digest("bob")]
+    assert (ann["task"], ann["count"], ann["limit"], ann["period"]) == (
+        limits_app.ping_hourly.name, 3, 3, 3600.0
+    )
+    # the newest entry, as the store's own window read names it (ties: by member)
+    assert ann["last_task_id"] == window.last and 3000 < ann["free_in"] <= 3600
+    assert (bob_row["count"], bob_row["free_in"], bob_row["last_task_id"]) == (1, 0, bob)
+
+    only = json.loads(run(limits_app.ping_hourly.name, "--json"))
+    assert only["concurrency"] == [] and len(only["rate"]) == 2
+
+    text = run()
+    assert f"{digest('ann')[:16]}  {limits_app.hold.name}  1/1" in text
+    assert "2 concurrency keys in use." in text
+    assert f"{digest('ann')[:16]}  {limits_app.ping_hourly.name}  3/3" in text
+    assert "2 rate keys with publishes." in text
+    # The KEY form names the digest the listing shows.
+    assert f"(digest {digest('ann')[:16]})" in run(limits_app.ping_hourly.name, "ann")
+
+    # A slot given back leaves the listing.
+    key = concurrency_store_key("celery-dedup", limits_app.hold.name, "bob")
+    assert store.give_slot(key, "holder-bob")
+    assert [row["digest"] for row in json.loads(run("--json"))["concurrency"]] == [digest("ann")]
+
+
 # -- validation and stores ---------------------------------------------------------
 
 
@@ -419,3 +504,43 @@ def test_memory_store_slots_follow_the_protocol() -> None:
     now[0] += 11
     assert store.slots_in_use("k") == 0
     assert store.renew_slots([("k", "h2")], 10) == 0
+
+
+def test_listing_counts_the_tasks_period_and_lapsed_slots() -> None:
+    """``live_keys`` counts a rate key's entries inside its task's period only, drops lapsed
+    slots, and lists a key of a task no longer registered with an unknown (``None``) limit.
+    """
+    from celery import Celery
+
+    from celery_dedup.identity import digest
+    from celery_dedup.limits import live_keys, rate_store_key
+
+    app = Celery("listing", set_as_current=False)
+
+    @app.task(base=DedupTask, shared=False, rate_limit_per_key="2/m", rate_key="{user}",
+              concurrency_limit=3, concurrency_key="{user}")
+    def job(user: str) -> None:
+        return None
+
+    now = [1000.0]
+    store = MemoryStore(clock=lambda: now[0])
+    rate = rate_store_key("celery-dedup", job.name, "ann")
+    for member in ("old", "a", "b"):
+        store.hit_rate(rate, member, 10, 3600, delay=False)
+        now[0] += 20  # "old" is 62 s old at the end: outside job's 60 s period
+    store.hit_rate(rate_store_key("celery-dedup", "gone.task", "x"), "g", 5, 60, delay=False)
+    store.take_slot(concurrency_store_key("celery-dedup", job.name, "ann"), "h1", 3, 100)
+    store.take_slot(concurrency_store_key("celery-dedup", job.name, "bob"), "h2", 3, 1)
+    now[0] += 2  # bob's slot lapsed
+
+    listed = live_keys(store, "celery-dedup", app.tasks)
+    assert listed["concurrency"] == [
+        {"task": job.name, "digest": digest("ann"), "in_use": 1, "limit": 3}
+    ]
+    rows = {row["task"]: row for row in listed["rate"]}
+    assert rows["gone.task"]["limit"] is None and rows["gone.task"]["count"] == 1
+    ann = rows[job.name]
+    assert (ann["count"], ann["limit"], ann["period"], ann["last_task_id"]) == (2, 2, 60.0, "b")
+    assert ann["free_in"] == pytest.approx(18.0)  # when "a" (42 s old) leaves the window
+    assert [row["task"] for row in live_keys(store, "celery-dedup", app.tasks, "gone.task")[
+        "rate"]] == ["gone.task"]

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from celery_dedup.stores import store_from_url
-from celery_dedup.stores.base import RateSupport, SlotSupport
+from celery_dedup.stores.base import LimitListing, RateSupport, SlotSupport
 from celery_dedup.stores.memory import MemoryStore
 from tests.fixtures._store_case import StoreCase
 from tests.fixtures.redis import RedisServer
@@ -123,4 +123,60 @@ def test_redis_limit_keys_carry_a_ttl(redis_server: RedisServer) -> None:
     client = redis_server.client(9)
     assert 0 < client.pttl("celery-dedup-slots:t:k") <= 30_000
     assert 60_000 < client.pttl("celery-dedup-rate:t:k") <= 120_000
+    redis_server.flush(9)
+
+
+def test_listing_finds_the_live_slot_and_rate_keys(limited_store: object) -> None:
+    """``LimitListing`` lists each key with live slots / window entries, under a prefix only.
+
+    ``a_b`` and ``a%b`` must not match ``axb`` (SQL LIKE wildcards, glob characters).
+    """
+    assert isinstance(limited_store, LimitListing)
+    assert isinstance(limited_store, SlotSupport) and isinstance(limited_store, RateSupport)
+    store = limited_store
+    for holder in ("h1", "h2"):
+        assert store.take_slot("celery-dedup-slots:a_b:d1", holder, 3, 60)[0]
+    assert store.take_slot("celery-dedup-slots:axb:d2", "h3", 3, 60)[0]
+    assert store.take_slot("celery-dedup-slots:a*b:d3", "h4", 3, 60)[0]
+    assert store.take_slot("celery-dedup-slots:a_b:gone", "h5", 3, 60)[0]
+    assert store.give_slot("celery-dedup-slots:a_b:gone", "h5")
+    assert store.take_slot("other-slots:a_b:d1", "h6", 3, 60)[0]
+    assert store.hit_rate("celery-dedup-rate:a_b:r1", "id1", 2, 60, delay=False).admitted
+    assert store.hit_rate("celery-dedup-rate:a_b:r1", "id2", 2, 60, delay=False).admitted
+    assert store.hit_rate("celery-dedup-rate:a_b:r1", "id3", 2, 60, delay=True).wait > 50
+    assert store.hit_rate("celery-dedup-rate:axb:r2", "id4", 2, 60, delay=False).admitted
+
+    slots = {s.key: s.in_use for s in store.list_slots("celery-dedup-slots:")}
+    assert slots == {
+        "celery-dedup-slots:a_b:d1": 2,
+        "celery-dedup-slots:axb:d2": 1,
+        "celery-dedup-slots:a*b:d3": 1,
+    }
+    assert [s.key for s in store.list_slots("celery-dedup-slots:a_b:")] == [
+        "celery-dedup-slots:a_b:d1"
+    ]
+    assert [s.key for s in store.list_slots("celery-dedup-slots:a*b:")] == [
+        "celery-dedup-slots:a*b:d3"
+    ]
+    assert store.list_slots("celery-dedup-slots:a%b:") == []
+
+    windows = {w.key: w for w in store.list_rates("celery-dedup-rate:")}
+    assert set(windows) == {"celery-dedup-rate:a_b:r1", "celery-dedup-rate:axb:r2"}
+    r1 = windows["celery-dedup-rate:a_b:r1"]
+    # newest first: the place reserved ~60 s ahead, then the two admitted now
+    assert len(r1.ages) == 3 and r1.last == "id3"
+    assert -60 <= r1.ages[0] < -50 and all(0 <= age < 30 for age in r1.ages[1:])
+    assert [w.key for w in store.list_rates("celery-dedup-rate:axb:")] == [
+        "celery-dedup-rate:axb:r2"
+    ]
+
+
+def test_redis_listing_skips_other_keys_under_the_prefix(redis_server: RedisServer) -> None:
+    """A key of another type that happens to match the prefix is not a limit key."""
+    redis_server.flush(9)
+    store = store_from_url(redis_server.url(9))
+    assert isinstance(store, LimitListing) and isinstance(store, SlotSupport)
+    redis_server.client(9).set("celery-dedup-slots:t:not-a-zset", "x", ex=60)
+    store.take_slot("celery-dedup-slots:t:k", "h", 2, 30)
+    assert [s.key for s in store.list_slots("celery-dedup-slots:")] == ["celery-dedup-slots:t:k"]
     redis_server.flush(9)

@@ -14,6 +14,11 @@ release is owner-checked against the holder shown.
 
 Access: staff (the admin site) plus the ``view`` (or ``change``) permission
 on "deduplication lock" to list, and the ``delete`` permission to release.
+
+A second, read-only page (``limits/``, linked from the locks page) lists
+the live per-key limits, as ``celery dedup limits`` does: each concurrency
+key with its slots in use and each rate key with its publishes in the
+window, by task and key digest. Same access as the list; it changes nothing.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ from django.utils.translation import ngettext
 
 from ...api import dedup_key_for, release
 from ...cli import Assessment, assess, duration
-from ...exceptions import ScanNotSupported, StoreUnavailable
+from ...exceptions import DedupError, ScanNotSupported, StoreUnavailable
+from ...limits import live_keys
 from ...runtime import runtime_for
 from ...stores.base import Lock, LockStore
 from .models import DedupLock
@@ -80,6 +86,7 @@ class DedupLockAdmin(admin.ModelAdmin):  # type: ignore[misc]
     """Live locks of the current Celery app's store, with a confirmed, owner-checked release."""
 
     change_list_template = "admin/celery_dedup/locks.html"
+    limits_template = "admin/celery_dedup/limits.html"
     release_confirmation_template = "admin/celery_dedup/release_confirmation.html"
     actions = ["release_selected"]
     #: the Celery app whose store is shown; ``None`` means ``celery.current_app``
@@ -104,10 +111,14 @@ class DedupLockAdmin(admin.ModelAdmin):  # type: ignore[misc]
         )
 
     def get_urls(self) -> list[Any]:
-        """Just the changelist."""
+        """The changelist and the read-only page of per-key limits."""
         info = self.opts.app_label, self.opts.model_name
         view = self.admin_site.admin_view(self.changelist_view)
-        return [path("", view, name="{}_{}_changelist".format(*info))]
+        limits = self.admin_site.admin_view(self.limits_view)
+        return [
+            path("", view, name="{}_{}_changelist".format(*info)),
+            path("limits/", limits, name="{}_{}_limits".format(*info)),
+        ]
 
     def get_actions(self, request: HttpRequest) -> dict[str, Any]:
         """Our release action only (no generic "delete selected")."""
@@ -262,6 +273,39 @@ class DedupLockAdmin(admin.ModelAdmin):  # type: ignore[misc]
         request.current_app = self.admin_site.name
         return TemplateResponse(request, self.change_list_template, context)
 
+    def limits_view(self, request: HttpRequest) -> HttpResponse:
+        """List the live concurrency keys (slots in use) and rate keys (their window).
+
+        Read-only, the same access as the list of locks; ``?task=`` narrows
+        it to one task. Keys show as their task and digest: the text of a
+        ``concurrency_key``/``rate_key`` is never stored.
+        """
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        store, prefix, app = self.get_store()
+        task = request.GET.get("task", "")
+        listed: dict[str, list[dict[str, Any]]] = {"concurrency": [], "rate": []}
+        if store is not None:
+            try:
+                listed = live_keys(store, prefix.rstrip(":"), app.tasks, task or None)
+            except DedupError as exc:
+                # A page saying why, never an HTTP 500 (a store that keeps no limits).
+                self.message_user(request, _("Cannot list the per-key limits: %(error)s")
+                                  % {"error": exc}, messages.ERROR)
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "title": _("Per-key limits"),
+            "subtitle": None,
+            "store": store,
+            "task": task,
+            "slots": [_LimitRow(row) for row in listed["concurrency"]],
+            "windows": [_LimitRow(row) for row in listed["rate"]],
+            "has_view_permission": True,
+        }
+        request.current_app = self.admin_site.name
+        return TemplateResponse(request, self.limits_template, context)
+
     def _run_action(self, request: HttpRequest) -> HttpResponse:
         actions = self.get_actions(request)
         name = request.POST.get("action", "")
@@ -305,6 +349,22 @@ class DedupLockAdmin(admin.ModelAdmin):  # type: ignore[misc]
             except NoReverseMatch:
                 return {}
         return urls
+
+
+class _LimitRow:
+    """One row of ``live_keys`` as the limits page shows it."""
+
+    def __init__(self, row: dict[str, Any]) -> None:
+        self.task_name: str = row["task"]
+        self.digest: str = row["digest"][:16]
+        self.limit = "?" if row["limit"] is None else str(row["limit"])
+        self.in_use = row.get("in_use")
+        self.count = row.get("count")
+        period = row.get("period")
+        self.period = "?" if period is None else duration(period)
+        free_in = row.get("free_in") or 0.0
+        self.free_in = duration(max(free_in, 1.0)) if free_in else ""
+        self.last_task_id = row.get("last_task_id", "")
 
 
 class _Lookup:
