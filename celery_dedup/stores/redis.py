@@ -184,6 +184,35 @@ end
 return 1
 """
 
+# The head of both take-overs: a command re-sent after its reply was lost
+# answers what its first run answered (the holder it displaced, to be
+# revoked); else ``previous`` is the live holder, if any (``v`` its record).
+_TAKE_OVER_HEAD = _PRELUDE + """
+local v, h = read(KEYS[1])
+if v and owns(v, ARGV[3]) then
+    local kept = redis.call('get', KEYS[2])
+    if kept and string.sub(kept, 1, #ARGV[4] + 1) == ARGV[4] .. '|' then
+        local answer = string.sub(kept, #ARGV[4] + 2)
+        if answer == '' then
+            return false
+        end
+        return cjson.decode(answer)
+    end
+end
+local previous = false
+if v then
+    previous = holder(KEYS[1], v, h)
+end
+"""
+
+# The tail of both: remember the answer for a re-sent command, take the key.
+_TAKE_OVER_TAIL = """
+redis.call('set', KEYS[2], ARGV[4] .. '|' .. (previous and cjson.encode(previous) or ''),
+           'PX', 60000)
+write(KEYS[1], ARGV[1], ARGV[2], 5)
+return previous
+"""
+
 # KEYS[1] - lock key
 # KEYS[2] - what this owner's last take-over answered, kept a minute for a
 #           re-sent command (same hash slot): "<nonce>|<holder as JSON>"
@@ -191,56 +220,15 @@ return 1
 # ARGV[3] - owner token (encoded)
 # ARGV[4] - a nonce of this call (the same in a command re-sent after a lost reply)
 # ARGV[5..] - the hash fields to write instead, on a key of an earlier version
-# return nil when the key was free, else the previous holder
-TAKE_OVER = _PRELUDE + """
-local v, h = read(KEYS[1])
-if v and owns(v, ARGV[3]) then
-    local kept = redis.call('get', KEYS[2])
-    if kept and string.sub(kept, 1, #ARGV[4] + 1) == ARGV[4] .. '|' then
-        -- This very command, re-sent after its reply was lost: answer what
-        -- its first run answered (the holder it displaced, to be revoked).
-        local answer = string.sub(kept, #ARGV[4] + 2)
-        if answer == '' then
-            return false
-        end
-        return cjson.decode(answer)
-    end
-end
-local previous = false
-if v then
-    previous = holder(KEYS[1], v, h)
-end
-redis.call('set', KEYS[2], ARGV[4] .. '|' .. (previous and cjson.encode(previous) or ''),
-           'PX', 60000)
-write(KEYS[1], ARGV[1], ARGV[2], 5)
-return previous
-"""
+# return nil when the key was free, else the previous holder (both scripts)
+TAKE_OVER = _TAKE_OVER_HEAD + _TAKE_OVER_TAIL
 
 # As TAKE_OVER, but a started holder keeps the key (it is returned, nothing written)
-TAKE_OVER_QUEUED = _PRELUDE + """
-local v, h = read(KEYS[1])
-if v and owns(v, ARGV[3]) then
-    local kept = redis.call('get', KEYS[2])
-    if kept and string.sub(kept, 1, #ARGV[4] + 1) == ARGV[4] .. '|' then
-        local answer = string.sub(kept, #ARGV[4] + 2)
-        if answer == '' then
-            return false
-        end
-        return cjson.decode(answer)
-    end
+TAKE_OVER_QUEUED = _TAKE_OVER_HEAD + """
+if v and string.byte(v, 1) == 49 then
+    return previous
 end
-local previous = false
-if v then
-    previous = holder(KEYS[1], v, h)
-    if string.byte(v, 1) == 49 then
-        return previous
-    end
-end
-redis.call('set', KEYS[2], ARGV[4] .. '|' .. (previous and cjson.encode(previous) or ''),
-           'PX', 60000)
-write(KEYS[1], ARGV[1], ARGV[2], 5)
-return previous
-"""
+""" + _TAKE_OVER_TAIL
 
 # KEYS[1] - lock key
 # KEYS[2] - revoked marker of the owner on this key (same hash slot)
