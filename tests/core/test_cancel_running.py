@@ -10,7 +10,6 @@ in PostgreSQL (``dedup_store``).
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,44 +18,31 @@ from typing import Any
 import pytest
 import redis
 from billiard.exceptions import SoftTimeLimitExceeded
-from celery import Celery, states
+from celery import states
 from celery.signals import task_postrun
 from kombu.exceptions import OperationalError
 
 from celery_dedup import CancelOwnRunError, CancelTimeout, DedupTask, inspect_lock
 from celery_dedup.results import owner_of
-from celery_dedup.runtime import runtime_for
 from celery_dedup.signals import holder_cancelled
-from tests.fixtures.postgres import PostgresServer
 from tests.fixtures.redis import RedisServer
 
 from .conftest import AppFactory, wait_until
+from .subprocess_workers import RunsLog, env_app, subprocess_worker
 from .test_ownership import FailingProducer, state_of, texts
-from .test_ownership_prefork import ROOT, Worker
+from .test_ownership_prefork import Worker
 
 pytestmark = pytest.mark.timeout(240)
 
 QUEUE = "cancel-running"
 BROKER_DB, BACKEND_DB, RUNS_DB = 43, 44, 45
 
-app = Celery("cancel_running", set_as_current=False)
-app.conf.update(
-    broker_url=os.environ.get("CANCEL_BROKER_URL", "memory://"),
-    result_backend=os.environ.get("CANCEL_BACKEND_URL"),
-    dedup_store=os.environ.get("CANCEL_STORE_URL") or None,
-    task_default_queue=QUEUE,
-    broker_connection_retry_on_startup=True,
-    result_expires=None,
-    dedup_metrics_flush_interval=3600,
-)
-
-_client: list[redis.Redis] = []
+app = env_app("cancel_running", "CANCEL", QUEUE)
+runs_log = RunsLog("CANCEL")
 
 
 def _redis() -> redis.Redis:
-    if not _client:
-        _client.append(redis.Redis.from_url(os.environ["CANCEL_RUNS_URL"]))
-    return _client[0]
+    return runs_log.client()
 
 
 def record(event: str) -> None:
@@ -113,38 +99,13 @@ def worker(
     monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[Worker]:
     """A two-slot prefork worker (started by the test); locks in Redis or PostgreSQL."""
-    redis_server.flush(BROKER_DB, BACKEND_DB, RUNS_DB)
-    store = ""
-    if request.param == "postgres":
-        server: PostgresServer = request.getfixturevalue("postgres_server")
-        store = "db+" + server.url()
-        with server.connect() as conn:
-            conn.execute(
-                "DO $$ BEGIN IF to_regclass('celery_dedup_sql_lock') IS NOT NULL THEN "
-                "DELETE FROM celery_dedup_sql_lock; DELETE FROM celery_dedup_sql_revoked; "
-                "END IF; END $$"
-            )
-    env = {
-        **os.environ,
-        "CANCEL_BROKER_URL": redis_server.url(BROKER_DB),
-        "CANCEL_BACKEND_URL": redis_server.url(BACKEND_DB),
-        "CANCEL_RUNS_URL": redis_server.url(RUNS_DB),
-        "CANCEL_STORE_URL": store,
-        "PYTHONPATH": str(ROOT),
-    }
-    monkeypatch.setenv("CANCEL_RUNS_URL", env["CANCEL_RUNS_URL"])
-    _client.clear()
-    app.conf.update(
-        broker_url=env["CANCEL_BROKER_URL"],
-        result_backend=env["CANCEL_BACKEND_URL"],
-        dedup_store=store or None,
-    )
-    proc = Worker(env, tmp_path / "worker.log", app_module=__name__, queue=QUEUE, concurrency=2)
-    try:
+    runs_log.forget()
+    with subprocess_worker(
+        app, module=__name__, prefix="CANCEL", queue=QUEUE,
+        dbs=(BROKER_DB, BACKEND_DB, RUNS_DB), request=request, redis_server=redis_server,
+        tmp_path=tmp_path, monkeypatch=monkeypatch,
+    ) as proc:
         yield proc
-    finally:
-        proc.stop()
-        runtime_for(app).metrics.flush()
 
 
 def runs(redis_server: RedisServer) -> list[str]:

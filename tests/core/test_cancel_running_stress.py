@@ -36,18 +36,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 from billiard.exceptions import SoftTimeLimitExceeded
-from celery import Celery
 
 from celery_dedup import CancelTimeout, DedupTask, inspect_lock
-from celery_dedup.runtime import runtime_for
-from tests.fixtures.postgres import PostgresServer
 from tests.fixtures.redis import RedisServer
 
 from .conftest import wait_until
+from .subprocess_workers import RunsLog, env_app, subprocess_worker
 from .test_ownership import state_of, texts
-from .test_ownership_prefork import ROOT, Worker
+from .test_ownership_prefork import Worker
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -60,30 +57,14 @@ PRODUCERS, CALLS_PER_PRODUCER = 3, 10
 #: states after which a message never runs again
 FINAL = {"SUCCESS", "FAILURE", "REVOKED", "IGNORED"}
 
-app = Celery("cancel_stress", set_as_current=False)
-app.conf.update(
-    broker_url=os.environ.get("STRESS_BROKER_URL", "memory://"),
-    result_backend=os.environ.get("STRESS_BACKEND_URL"),
-    dedup_store=os.environ.get("STRESS_STORE_URL") or None,
-    task_default_queue=QUEUE,
-    broker_connection_retry_on_startup=True,
-    result_expires=None,
-    dedup_metrics_flush_interval=3600,
-)
-
-_client: list[redis.Redis] = []
-
-
-def _redis() -> redis.Redis:
-    if not _client:
-        _client.append(redis.Redis.from_url(os.environ["STRESS_RUNS_URL"]))
-    return _client[0]
+app = env_app("cancel_stress", "STRESS", QUEUE)
+runs_log = RunsLog("STRESS")
 
 
 def record(kind: str, doc: int, seq: str) -> None:
     """Append one timestamped event to the shared log."""
     event = {"kind": kind, "doc": doc, "seq": seq, "t": time.time()}
-    _redis().rpush("runs", json.dumps(event))
+    runs_log.client().rpush("runs", json.dumps(event))
 
 
 def _work(doc: int, seq: str, sleep: float) -> str:
@@ -127,38 +108,13 @@ def worker(
 ) -> Iterator[Worker]:
     """A two-slot prefork worker; locks in Redis (take-over of a queued holder in one
     step) or PostgreSQL (revoke, then acquire)."""
-    redis_server.flush(BROKER_DB, BACKEND_DB, RUNS_DB)
-    store = ""
-    if request.param == "postgres":
-        server: PostgresServer = request.getfixturevalue("postgres_server")
-        store = "db+" + server.url()
-        with server.connect() as conn:
-            conn.execute(
-                "DO $$ BEGIN IF to_regclass('celery_dedup_sql_lock') IS NOT NULL THEN "
-                "DELETE FROM celery_dedup_sql_lock; DELETE FROM celery_dedup_sql_revoked; "
-                "END IF; END $$"
-            )
-    env = {
-        **os.environ,
-        "STRESS_BROKER_URL": redis_server.url(BROKER_DB),
-        "STRESS_BACKEND_URL": redis_server.url(BACKEND_DB),
-        "STRESS_RUNS_URL": redis_server.url(RUNS_DB),
-        "STRESS_STORE_URL": store,
-        "PYTHONPATH": str(ROOT),
-    }
-    monkeypatch.setenv("STRESS_RUNS_URL", env["STRESS_RUNS_URL"])
-    _client.clear()
-    app.conf.update(
-        broker_url=env["STRESS_BROKER_URL"],
-        result_backend=env["STRESS_BACKEND_URL"],
-        dedup_store=store or None,
-    )
-    proc = Worker(env, tmp_path / "worker.log", app_module=__name__, queue=QUEUE, concurrency=2)
-    try:
+    runs_log.forget()
+    with subprocess_worker(
+        app, module=__name__, prefix="STRESS", queue=QUEUE,
+        dbs=(BROKER_DB, BACKEND_DB, RUNS_DB), request=request, redis_server=redis_server,
+        tmp_path=tmp_path, monkeypatch=monkeypatch,
+    ) as proc:
         yield proc
-    finally:
-        proc.stop()
-        runtime_for(app).metrics.flush()
 
 
 def call(doc: int, seq: str, sleep: float) -> Any:

@@ -18,17 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
-from celery import Celery
 
 from celery_dedup import DedupTask, inspect_lock
-from celery_dedup.runtime import runtime_for
-from tests.fixtures.postgres import PostgresServer
 from tests.fixtures.redis import RedisServer
 
 from .conftest import wait_until
+from .subprocess_workers import RunsLog, env_app, subprocess_worker
 from .test_ownership import texts
-from .test_ownership_prefork import ROOT, Worker
+from .test_ownership_prefork import Worker
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -37,31 +34,23 @@ BROKER_DB, BACKEND_DB, RUNS_DB = 33, 34, 35
 VISIBILITY = 2
 LEASE = 3
 
-app = Celery("runs_once", set_as_current=False)
-app.conf.update(
-    broker_url=os.environ.get("ONCE_BROKER_URL", "memory://"),
-    result_backend=os.environ.get("ONCE_BACKEND_URL"),
-    dedup_store=os.environ.get("ONCE_STORE_URL") or None,
+app = env_app(
+    "runs_once",
+    "ONCE",
+    QUEUE,
     broker_transport_options={
         "visibility_timeout": VISIBILITY,
         "unacked_restore_interval": 1,
         "unacked_restore_throttle": 1,
     },
-    task_default_queue=QUEUE,
-    broker_connection_retry_on_startup=True,
-    result_expires=None,
     dedup_lease_ttl=LEASE,
-    dedup_metrics_flush_interval=3600,
 )
-
-_client: list[redis.Redis] = []
+runs_log = RunsLog("ONCE")
 
 
 def record(event: str) -> None:
     """Append ``event`` (with this process's pid) to the shared log."""
-    if not _client:
-        _client.append(redis.Redis.from_url(os.environ["ONCE_RUNS_URL"]))
-    _client[0].rpush("runs", f"{event}:{os.getpid()}")
+    runs_log.client().rpush("runs", f"{event}:{os.getpid()}")
 
 
 def _waiting(until: str) -> Any:
@@ -111,37 +100,13 @@ def worker(
     Its locks and run records live in the result backend's Redis, or in
     PostgreSQL (``dedup_store``).
     """
-    redis_server.flush(BROKER_DB, BACKEND_DB, RUNS_DB)
-    store = ""
-    if request.param == "postgres":
-        server: PostgresServer = request.getfixturevalue("postgres_server")
-        store = "db+" + server.url()
-        with server.connect() as conn:
-            conn.execute(
-                "DO $$ BEGIN IF to_regclass('celery_dedup_sql_lock') IS NOT NULL THEN "
-                "DELETE FROM celery_dedup_sql_lock; DELETE FROM celery_dedup_sql_revoked; "
-                "END IF; END $$"
-            )
-    env = {
-        **os.environ,
-        "ONCE_BROKER_URL": redis_server.url(BROKER_DB),
-        "ONCE_BACKEND_URL": redis_server.url(BACKEND_DB),
-        "ONCE_RUNS_URL": redis_server.url(RUNS_DB),
-        "ONCE_STORE_URL": store,
-        "PYTHONPATH": str(ROOT),
-    }
-    monkeypatch.setenv("ONCE_RUNS_URL", env["ONCE_RUNS_URL"])
-    app.conf.update(
-        broker_url=env["ONCE_BROKER_URL"],
-        result_backend=env["ONCE_BACKEND_URL"],
-        dedup_store=store or None,
-    )
-    proc = Worker(env, tmp_path / "worker.log", app_module=__name__, queue=QUEUE, concurrency=2)
-    try:
+    runs_log.forget()
+    with subprocess_worker(
+        app, module=__name__, prefix="ONCE", queue=QUEUE,
+        dbs=(BROKER_DB, BACKEND_DB, RUNS_DB), request=request, redis_server=redis_server,
+        tmp_path=tmp_path, monkeypatch=monkeypatch,
+    ) as proc:
         yield proc
-    finally:
-        proc.stop()
-        runtime_for(app).metrics.flush()
 
 
 def runs(redis_server: RedisServer) -> list[str]:
