@@ -79,6 +79,9 @@ class OnDuplicate(str, Enum):
     RAISE = "raise"
     #: debounce: take the lock over, publish, revoke the old holder
     REPLACE = "replace"
+    #: one run in progress plus one queued follow-up carrying the latest
+    #: call's arguments (``coalesce``)
+    KEEP_LAST = "keep_last"
 
 
 class Fallback(str, Enum):

@@ -64,11 +64,14 @@ lock_released = Signal(
     providing_args=["key", "task_id", "reason"],
 )
 
-#: ``on_duplicate="replace"`` took a lock over: ``task_id`` is the new holder,
-#: ``previous_task_id`` the one that is being revoked.
+#: ``on_duplicate="replace"`` or ``"keep_last"`` took a lock over: ``task_id``
+#: is the new holder, ``previous_task_id`` the one that is being revoked;
+#: ``policy`` is the ``on_duplicate`` value that acted. ``follow_up`` is True
+#: when ``keep_last`` found the previous holder running: it is not revoked,
+#: and the new message runs after it.
 lock_replaced = Signal(
     name="lock_replaced",
-    providing_args=["key", "task_id", "previous_task_id"],
+    providing_args=["key", "task_id", "previous_task_id", "policy", "follow_up"],
 )
 
 #: No lock could be used and ``dedup_fallback`` decided: ``reason`` is

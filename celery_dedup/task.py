@@ -480,7 +480,8 @@ class DedupTask(_Task):
         # A canvas has no single end its lock could be released at: a key
         # given to a chain or a group holds the canvas as one unit for unique_for.
         until = UniqueUntil.EXPIRY if canvas_key else call.unique_until
-        replaces = call.on_duplicate is OnDuplicate.REPLACE
+        keep_last = call.on_duplicate is OnDuplicate.KEEP_LAST
+        replaces = keep_last or call.on_duplicate is OnDuplicate.REPLACE
         owner = new_token()
         holder_id = str(options.get("group_id") or task_id) if canvas_key else task_id
         meta = meta_for(self, holder_id, until)
@@ -491,7 +492,7 @@ class DedupTask(_Task):
             if store is None:
                 return self._publish_unlocked(None, key, task_id, publish)
             if replaces:
-                previous = self._take_over(store, key, owner, ttl, meta)
+                previous = self._take_over(store, key, owner, ttl, meta, keep_last)
             else:
                 holder = store.acquire(key, owner, ttl, meta)
         except StoreContention:
@@ -502,7 +503,7 @@ class DedupTask(_Task):
             # so it owns and releases such a lock; if nothing is published,
             # the lock is released as soon as the store answers.
             orphan = runtime.add_orphan(key, owner, ttl)
-            header = LockHeader(key, until, call.unique_for, replaces, owner)
+            header = LockHeader(key, until, call.unique_for, replaces, owner, keep_last)
             result = self._publish_unlocked(exc, key, task_id, publish, header)
             runtime.forget_orphan(orphan)
             return result
@@ -512,14 +513,14 @@ class DedupTask(_Task):
             # again by a client that re-sent the command after losing its reply.)
             return self._held(call, key, holder, task_id, args, kwargs, options, publish)
 
-        header = LockHeader(key, until, call.unique_for, replaces, owner)
+        header = LockHeader(key, until, call.unique_for, replaces, owner, keep_last)
         runtime.metrics.incr(self.name, "acquired")
         lock_acquired.send(
             sender=self, key=key, task_id=task_id, ttl=ttl, policy=header.until.value
         )
         result = self._publish_locked(store, key, task_id, header, publish, previous)
         if previous is not None:
-            self._revoke_replaced(key, task_id, previous)
+            self._revoke_replaced(key, task_id, previous, call.on_duplicate)
         return mark_result(result, key, owner)
 
     def _publish_unlocked(
@@ -596,17 +597,27 @@ class DedupTask(_Task):
         )
 
     def _take_over(
-        self, store: LockStore, key: str, owner: str, ttl: float, meta: Mapping[str, str]
+        self,
+        store: LockStore,
+        key: str,
+        owner: str,
+        ttl: float,
+        meta: Mapping[str, str],
+        keep_last: bool = False,
     ) -> Lock | None:
         """Become the holder and refuse the previous publish's start (``replace``).
 
         The previous owner is marked revoked before anything is published, so
         it can never run after this call returns, even if the replacing task
-        runs and releases first or the revoke broadcast is lost.
+        runs and releases first or the revoke broadcast is lost. Under
+        ``keep_last`` a previous holder whose run is in progress is left to
+        finish (this call publishes its follow-up: ``coalesce``).
         """
         previous = store.take_over(key, owner, ttl, meta)
         if previous is None or previous.owner == owner:
             return None
+        if keep_last and previous.started:
+            return previous
         revoked_ttl = max(previous.ttl, self.dedup_config().runtime.settings.revoked_ttl)
         store.revoke(key, previous.owner, revoked_ttl)
         return previous
@@ -786,12 +797,24 @@ class DedupTask(_Task):
             duplicate_id=duplicate_id,
         )
 
-    def _revoke_replaced(self, key: str, task_id: str, previous: Lock) -> None:
-        """Tell workers to drop the replaced message (saves work; its start claim refuses it)."""
+    def _revoke_replaced(
+        self, key: str, task_id: str, previous: Lock, policy: OnDuplicate = OnDuplicate.REPLACE
+    ) -> None:
+        """Tell workers to drop the replaced message (saves work; its start claim refuses it).
+
+        A ``keep_last`` holder whose run is in progress is not replaced but
+        followed: nothing is revoked.
+        """
+        follows = policy is OnDuplicate.KEEP_LAST and previous.started
         lock_replaced.send(
-            sender=self, key=key, task_id=task_id, previous_task_id=previous.task_id
+            sender=self,
+            key=key,
+            task_id=task_id,
+            previous_task_id=previous.task_id,
+            policy=policy.value,
+            follow_up=follows,
         )
-        if previous.task_id == task_id:
+        if follows or previous.task_id == task_id:
             # A deterministic id: revoking it by id would discard the new message too.
             return
         try:
