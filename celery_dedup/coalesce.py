@@ -1,12 +1,13 @@
 """``on_duplicate="keep_last"``: one run in progress per key, plus one queued follow-up.
 
 The producer side is ``replace``'s take-over: a call takes the key over
-(one round trip). A queued holder that had not started is revoked, as
-``replace`` revokes it; a holder whose run is in progress is left alone
-(its owner-checked release at the end no longer finds its lock), and the
-new message is its *follow-up*. Every later call replaces the follow-up
-while it waits, so the one that eventually runs carries the latest call's
-arguments.
+and marks the previous owner revoked (two round trips when the key was
+held, one when it was free). A queued holder that had not started never
+runs; a holder whose run is in progress runs to its end (its
+owner-checked release no longer finds its lock, and only copies of it,
+should its worker die, are refused), and the new message is its
+*follow-up*. Every later call replaces the follow-up while it waits, so
+the one that eventually runs carries the latest call's arguments.
 
 What keeps a follow-up from running beside the run in progress is the
 key's **run gate**: a TTL lock of its own (``gate_key``, a digest under a

@@ -492,7 +492,7 @@ class DedupTask(_Task):
             if store is None:
                 return self._publish_unlocked(None, key, task_id, publish)
             if replaces:
-                previous = self._take_over(store, key, owner, ttl, meta, keep_last)
+                previous = self._take_over(store, key, owner, ttl, meta)
             else:
                 holder = store.acquire(key, owner, ttl, meta)
         except StoreContention:
@@ -597,27 +597,19 @@ class DedupTask(_Task):
         )
 
     def _take_over(
-        self,
-        store: LockStore,
-        key: str,
-        owner: str,
-        ttl: float,
-        meta: Mapping[str, str],
-        keep_last: bool = False,
+        self, store: LockStore, key: str, owner: str, ttl: float, meta: Mapping[str, str]
     ) -> Lock | None:
         """Become the holder and refuse the previous publish's start (``replace``).
 
         The previous owner is marked revoked before anything is published, so
         it can never run after this call returns, even if the replacing task
-        runs and releases first or the revoke broadcast is lost. Under
-        ``keep_last`` a previous holder whose run is in progress is left to
-        finish (this call publishes its follow-up: ``coalesce``).
+        runs and releases first or the revoke broadcast is lost. (A run in
+        progress is not stopped by it: only its copies, should its worker
+        die, are refused. ``keep_last`` relies on that: ``coalesce``.)
         """
         previous = store.take_over(key, owner, ttl, meta)
         if previous is None or previous.owner == owner:
             return None
-        if keep_last and previous.started:
-            return previous
         revoked_ttl = max(previous.ttl, self.dedup_config().runtime.settings.revoked_ttl)
         store.revoke(key, previous.owner, revoked_ttl)
         return previous
@@ -802,8 +794,8 @@ class DedupTask(_Task):
     ) -> None:
         """Tell workers to drop the replaced message (saves work; its start claim refuses it).
 
-        A ``keep_last`` holder whose run is in progress is not replaced but
-        followed: nothing is revoked.
+        A ``keep_last`` holder whose run is in progress is followed, not
+        replaced: no revoke is broadcast (its run goes on to its end).
         """
         follows = policy is OnDuplicate.KEEP_LAST and previous.started
         lock_replaced.send(
@@ -815,7 +807,7 @@ class DedupTask(_Task):
             follow_up=follows,
         )
         if follows or previous.task_id == task_id:
-            # A deterministic id: revoking it by id would discard the new message too.
+            # (A deterministic id: revoking it by id would discard the new message too.)
             return
         try:
             self.app.control.revoke(previous.task_id)
