@@ -157,7 +157,8 @@ class DedupTask(_Task):
     #: ``"caller_provided"`` or ``"always_unique"``; ``None`` asks the app.
     identity: Identity | str | None = None
 
-    #: What a duplicate call does: ``"existing"``, ``"raise"`` or ``"replace"``.
+    #: What a duplicate call does: ``"existing"``, ``"raise"``, ``"replace"`` or
+    #: ``"keep_last"``.
     on_duplicate: OnDuplicate | str | None = None
 
     #: Parameter names the strict identity is restricted to.
