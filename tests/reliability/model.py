@@ -76,6 +76,8 @@ class Kind(str, Enum):
     LOST = "lost message"
     #: the body of a message whose revoke released its lock ran anyway
     REVOKED_RAN = "revoked ran"
+    #: two ``keep_last`` runs of one key overlapped (a follow-up ran beside its run)
+    OVERLAP = "overlapping keep_last runs"
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,10 @@ class Call:
     task_id: str
     #: the owner token the call published (``published`` and ``failed``)
     token: str = ""
+    #: the call could take the lock over (``replace`` or ``keep_last``)
     replace: bool = False
+    #: ``on_duplicate="keep_last"``: its runs never overlap another keep_last run
+    keep_last: bool = False
     countdown: float = 0.0
     #: the message's ``expires`` as epoch seconds
     expires_at: float | None = None
@@ -518,6 +523,46 @@ class _Checker:
             for e in h.of("end")
         )
 
+    def check_coalesced(self) -> None:
+        """``keep_last``: no two runs of one key overlap, whoever holds the lock.
+
+        A run is its body's start record to its end record (the run gate is
+        taken before the first and given up after the last); a run killed
+        before its end record is left out (its gate lapses, unrecorded).
+        """
+        for holdings in self.by_key.values():
+            spans = sorted(
+                (start.t, end.t, h.call.task_id)
+                for h in holdings
+                if h.call.keep_last
+                for start, end in self._spans(h)
+            )
+            latest_end, latest_id = -INF, ""
+            for begin, end, task_id in spans:
+                if begin + self.m < latest_end:
+                    self.report(
+                        Kind.OVERLAP,
+                        holdings[0].key,
+                        f"{task_id} started {latest_end - begin:.3f}s before "
+                        f"{latest_id}'s run ended",
+                    )
+                if end > latest_end:
+                    latest_end, latest_id = end, task_id
+
+    @staticmethod
+    def _spans(h: Holding) -> list[tuple[Event, Event]]:
+        """Each body start of ``h`` with the end record its run wrote (same try, same pid)."""
+        spans = []
+        ends = h.of("end")
+        for start in h.of("start"):
+            mine = [
+                e for e in ends if e.retries == start.retries and e.pid == start.pid
+                and e.t >= start.t
+            ]
+            if mine:
+                spans.append((start, min(mine, key=lambda e: e.t)))
+        return spans
+
     def check_suppressions(self) -> None:
         for call in self.trace.calls:
             if call.outcome not in ("deduplicated", "raised"):
@@ -655,6 +700,7 @@ def check(trace: Trace, margin: float = MARGIN, ttl_slack: float = 0.0) -> list[
     checker = _Checker(trace, margin, ttl_slack)
     checker.check_publishes()
     checker.check_executions()
+    checker.check_coalesced()
     checker.check_suppressions()
     checker.check_scans()
     checker.check_revokes()

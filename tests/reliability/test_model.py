@@ -118,6 +118,22 @@ def test_replace_takes_over_but_the_replaced_message_must_not_run() -> None:
     assert check(claimed_before) == []
 
 
+def test_a_keep_last_follow_up_must_not_run_beside_the_run_it_follows() -> None:
+    """The follow-up takes the lock over while A runs; its body must wait for A's end."""
+    calls = [
+        published(0.0, "A", "ta", keep_last=True),
+        published(0.5, "B", "tb", replace=True, keep_last=True),
+    ]
+    after = Trace(calls=calls, events=[*run("ta", "A", 0.2, seconds=1.0), *run("tb", "B", 1.5)])
+    assert check(after) == []
+    beside = Trace(calls=calls, events=[*run("ta", "A", 0.2, seconds=1.0), *run("tb", "B", 0.7)])
+    assert kinds(beside) == [Kind.OVERLAP]
+    assert "B started" in check(beside)[0].detail
+    # Without keep_last (a replace), overlapping runs are not this check's business.
+    plain = [replace(c, keep_last=False) for c in calls]
+    assert check(Trace(calls=plain, events=beside.events)) == []
+
+
 def test_a_suppression_after_the_release_is_stale() -> None:
     base: dict[str, Any] = {"events": run("ta", "A", 1.0)}
     stale = Trace(calls=[published(0.0, "A", "ta"), suppressed(2.0, "A")], **base)
