@@ -175,26 +175,34 @@ def settle() -> None:
 def test_twenty_calls_while_one_runs_make_one_follow_up_with_the_last_arguments(
     worker: Worker, redis_server: RedisServer
 ) -> None:
-    """1 call, then 20 while it runs (a slot free): exactly 2 runs, the second with call 20's
-    arguments, starting only after the first ended."""
+    """1 call, then 20 while it runs, two workers with free slots: exactly 2 runs, the second
+    with call 20's arguments, starting only after the first ended."""
+    other = Worker(
+        worker.env, worker.log.with_name("other.log"), app_module=__name__, queue=QUEUE,
+        concurrency=2,
+    )
     worker.start()
-    first = sync.delay(0)
-    wait_until(lambda: "start:0" in logged(redis_server), timeout=60)
-    calls = [sync.delay(x) for x in range(1, 21)]
-    assert all(call.deduplicated is False for call in calls)
-    # The follow-up is delivered to the free slot and deferred meanwhile, never run.
-    wait_until(lambda: "deferred" in worker.text(), timeout=60)
-    assert logged(redis_server) == ["start:0"]
-    release_first_run(redis_server)
-    assert first.get(timeout=60) == 0
-    assert calls[-1].get(timeout=90) == 20
-    settle()
-    assert logged(redis_server) == ["start:0", "end:0", "start:20", "end:20"]
-    # Every replaced follow-up's handle ends REVOKED: its call is covered by call 20's run.
-    for call in calls[:-1]:
-        wait_until(lambda call=call: call.state == states.REVOKED, timeout=60)
-    assert inspect_lock(first.deduplication_key, app=app) is None
-    assert sync.delay(21).deduplicated is False  # nothing left behind
+    other.start()
+    try:
+        first = sync.delay(0)
+        wait_until(lambda: "start:0" in logged(redis_server), timeout=60)
+        calls = [sync.delay(x) for x in range(1, 21)]
+        assert all(call.deduplicated is False for call in calls)
+        # Follow-ups delivered to the free slots are deferred meanwhile, never run.
+        wait_until(lambda: "deferred" in worker.text() + other.text(), timeout=60)
+        assert logged(redis_server) == ["start:0"]
+        release_first_run(redis_server)
+        assert first.get(timeout=60) == 0
+        assert calls[-1].get(timeout=90) == 20
+        settle()
+        assert logged(redis_server) == ["start:0", "end:0", "start:20", "end:20"]
+        # Every replaced follow-up's handle ends REVOKED: call 20's run covers its call.
+        for call in calls[:-1]:
+            wait_until(lambda call=call: call.state == states.REVOKED, timeout=60)
+        assert inspect_lock(first.deduplication_key, app=app) is None
+        assert sync.delay(21).deduplicated is False  # nothing left behind
+    finally:
+        other.stop()
 
 
 def test_a_call_while_only_a_queued_message_holds_the_key_replaces_it(
