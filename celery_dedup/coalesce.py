@@ -18,19 +18,43 @@ held is deferred (published again for later, as a copy waiting for a
 running copy is); a run whose worker dies gives the gate up when its pool
 child is seen to die, or lets it lapse within one lease.
 
-This module holds only the gate: the take-over is ``DedupTask``'s, the
-deferral the worker's.
+A call whose queued message is replaced is covered by the replacing
+call's run: the replacing call leaves a *link* in the result backend (a
+result stored under ``LINK_PREFIX`` + the replaced id, holding the
+replacing id), and the ``CoalescedResult`` every ``keep_last`` call returns
+follows the links from a ``REVOKED`` message to the run that covered it.
+
+This module holds the gate and the links: the take-over is
+``DedupTask``'s, the deferral the worker's.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from celery import states
+from celery.exceptions import TaskRevokedError
+from celery.result import AsyncResult, EagerResult
 
 from .exceptions import StoreError
 from .stores.base import RUNNING_POLICY, LockStore, run_record_key
 
-__all__ = ["GATE_POLICY", "Gate", "gate_key", "leave", "renew", "try_enter"]
+__all__ = [
+    "GATE_POLICY",
+    "LINK_PREFIX",
+    "CoalescedResult",
+    "Gate",
+    "following",
+    "gate_key",
+    "leave",
+    "link_replacement",
+    "renew",
+    "replacement_of",
+    "try_enter",
+]
 
 logger = logging.getLogger("celery_dedup")
 
@@ -87,3 +111,84 @@ def leave(gate: Gate | None) -> None:
 def renew(gate: Gate, lease: float) -> bool:
     """Keep a running run's gate alive (the worker's main process)."""
     return gate.store.extend(gate.key, gate.token, lease)
+
+
+#: The result-backend id prefix of a "replaced by" link (a result of its own).
+LINK_PREFIX = "celery-dedup-replaced-by-"
+
+
+def link_replacement(backend: Any, replaced_id: str, replacing_id: str) -> None:
+    """Record that ``replacing_id``'s run covers the call of ``replaced_id`` (best effort).
+
+    Written before the replacing message is published, so a handle of the
+    replaced call that finds it ``REVOKED`` always finds the link too.
+    """
+    if replaced_id == replacing_id:
+        return
+    try:
+        backend.store_result(LINK_PREFIX + replaced_id, replacing_id, states.SUCCESS)
+    except Exception as exc:  # no result backend, or it failed: the handle just ends REVOKED
+        logger.warning(
+            "celery-dedup: could not record that %s replaces %s: %s",
+            replacing_id,
+            replaced_id,
+            exc,
+        )
+
+
+def replacement_of(backend: Any, task_id: str) -> str | None:
+    """The id of the call that replaced ``task_id`` under ``keep_last``, if one did."""
+    try:
+        meta = backend.get_task_meta(LINK_PREFIX + task_id)
+    except Exception:
+        return None
+    found = meta.get("result") if meta.get("status") == states.SUCCESS else None
+    return found if isinstance(found, str) else None
+
+
+if TYPE_CHECKING:
+    _AsyncResult = AsyncResult[Any]
+else:
+    _AsyncResult = AsyncResult
+
+
+class CoalescedResult(_AsyncResult):
+    """The handle of a ``keep_last`` call: ``get()`` returns the result of the run that
+    covered the call.
+
+    That is the call's own run, or, when its message was replaced before it
+    started, the run of the call that replaced it (followed to the last
+    replacement). ``state`` and ``result`` stay those of the call's own
+    message (``REVOKED`` when it was replaced). ``timeout`` bounds the whole
+    wait.
+    """
+
+    def get(  # type: ignore[override]
+        self, timeout: float | None = None, propagate: bool = True, **kwargs: Any
+    ) -> Any:
+        """Wait for the run that covered this call and return its result."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        current: AsyncResult[Any] = self
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                value = AsyncResult.get(current, timeout=left, propagate=propagate, **kwargs)
+            except TaskRevokedError:
+                replacing = replacement_of(self.backend, str(current.id))
+                if replacing is None:
+                    raise
+            else:
+                state: str = current.state
+                if propagate or state != states.REVOKED:
+                    return value
+                replacing = replacement_of(self.backend, str(current.id))
+                if replacing is None:
+                    return value
+            current = AsyncResult(replacing, app=self.app, backend=self.backend)
+
+
+def following(result: Any) -> Any:
+    """A published ``keep_last`` call's handle as a ``CoalescedResult`` (others unchanged)."""
+    if isinstance(result, EagerResult) or not isinstance(result, AsyncResult):
+        return result  # an eager call ran already: nothing replaces it
+    return CoalescedResult(result.id, backend=result.backend, app=result.app)

@@ -15,7 +15,7 @@ from celery.app.routes import Router
 from celery.exceptions import Ignore, Reject, Retry
 from celery.utils import uuid
 
-from . import events, native, worker
+from . import coalesce, events, native, worker
 from .exceptions import (
     DeduplicationUnavailable,
     DuplicateTaskError,
@@ -519,9 +519,13 @@ class DedupTask(_Task):
         lock_acquired.send(
             sender=self, key=key, task_id=task_id, ttl=ttl, policy=header.until.value
         )
+        if keep_last and previous is not None and not previous.started:
+            coalesce.link_replacement(self.backend, previous.task_id, task_id)
         result = self._publish_locked(store, key, task_id, header, publish, previous)
         if previous is not None:
             self._revoke_replaced(key, task_id, previous, call.on_duplicate)
+        if keep_last:
+            result = coalesce.following(result)
         return mark_result(result, key, owner)
 
     def _publish_unlocked(

@@ -196,9 +196,10 @@ def test_twenty_calls_while_one_runs_make_one_follow_up_with_the_last_arguments(
         assert calls[-1].get(timeout=90) == 20
         settle()
         assert logged(redis_server) == ["start:0", "end:0", "start:20", "end:20"]
-        # Every replaced follow-up's handle ends REVOKED: call 20's run covers its call.
+        # Every replaced follow-up ends REVOKED; its handle resolves to call 20's run.
         for call in calls[:-1]:
             wait_until(lambda call=call: call.state == states.REVOKED, timeout=60)
+            assert call.get(timeout=30) == 20
         assert inspect_lock(first.deduplication_key, app=app) is None
         assert sync.delay(21).deduplicated is False  # nothing left behind
     finally:
@@ -217,6 +218,7 @@ def test_a_call_while_only_a_queued_message_holds_the_key_replaces_it(
     assert logged(redis_server) == ["start:7", "end:7"]
     for call in calls[:-1]:
         wait_until(lambda call=call: call.state == states.REVOKED, timeout=60)
+        assert call.get(timeout=30) == 7  # the run that covered the call
 
 
 def test_a_follow_up_whose_pool_child_is_sigkilled_still_runs_once(
