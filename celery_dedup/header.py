@@ -30,7 +30,8 @@ class LockHeader:
     until: UniqueUntil = UniqueUntil.SUCCESS
     #: ``unique_for`` in seconds (the TTL base for retries)
     unique_for: float = 0.0
-    #: whether a newer call may take the lock over (``on_duplicate="replace"``)
+    #: whether a newer call may take the lock over (``on_duplicate="replace"``
+    #: or ``"keep_last"``)
     replace: bool = False
     #: the owner token of this publish's lock (``None`` on 0.1.0 messages,
     #: whose owner was the task id)

@@ -45,7 +45,7 @@ task_deduplicated = Signal(
 #: ``task_id`` is the new holder, ``ttl`` the lock's lifetime in seconds
 #: (``unique_for`` plus any countdown/ETA), ``policy`` the ``unique_until``
 #: value (``"start"``, ``"success"``, ``"finish"`` or ``"expiry"``). Also sent
-#: by ``on_duplicate="replace"`` before ``lock_replaced``.
+#: by ``on_duplicate="replace"`` and ``"keep_last"`` before ``lock_replaced``.
 lock_acquired = Signal(
     name="lock_acquired",
     providing_args=["key", "task_id", "ttl", "policy"],
