@@ -14,9 +14,10 @@ key's **run gate**: a TTL lock of its own (``gate_key``, a digest under a
 namespace no lock listing sees) that every ``keep_last`` run holds from
 its start to its end, owned by its delivery token and renewed with its
 running lease by the worker's main process. A message that finds the gate
-held is deferred (published again for later, as a copy waiting for a
-running copy is); a run whose worker dies gives the gate up when its pool
-child is seen to die, or lets it lapse within one lease.
+held is deferred (published again a second later, as a copy waiting for
+a running copy is, its lock kept alive meanwhile); a run whose worker dies
+gives the gate up when its pool child is seen to die, or lets it lapse
+within one lease.
 
 A call whose queued message is replaced is covered by the replacing
 call's run: the replacing call leaves a *link* in the result backend (a
@@ -45,15 +46,18 @@ from .stores.base import RUNNING_POLICY, LockStore, run_record_key
 __all__ = [
     "GATE_POLICY",
     "LINK_PREFIX",
+    "WAIT",
     "CoalescedResult",
     "Gate",
     "following",
     "gate_key",
+    "keep_waiting",
     "leave",
     "link_replacement",
     "renew",
     "replacement_of",
     "try_enter",
+    "wait_for",
 ]
 
 logger = logging.getLogger("celery_dedup")
@@ -92,6 +96,28 @@ def try_enter(
     meta = {"task_name": task_name, "policy": GATE_POLICY, "task_id": task_id}
     holder = store.acquire(gate.key, token, lease, meta)
     return gate, holder is None or holder.owner == token
+
+
+#: Seconds a follow-up waits between two looks at the gate (at most a third
+#: of the lease): how late, at most, it starts after the run it follows.
+WAIT = 1.0
+
+
+def wait_for(lease: float) -> float:
+    """How long a message that found the gate held waits before it looks again."""
+    return min(WAIT, lease / 3.0)
+
+
+def keep_waiting(store: LockStore, key: str, owner: str, ttl: float) -> None:
+    """Keep a waiting follow-up's lock alive for ``ttl`` seconds (owner-checked, best effort).
+
+    Its lock would otherwise expire while it waits for a long run, and a
+    newer call would find the key free and run before it.
+    """
+    try:
+        store.extend(key, owner, ttl)
+    except StoreError as exc:
+        logger.warning("celery-dedup: could not extend a waiting keep_last lock: %s", exc)
 
 
 def leave(gate: Gate | None) -> None:

@@ -307,7 +307,7 @@ def claim_at_start(
             release(task, store, key, owner, task_id, "start")
             return None
         return Held(store, header, key, owner, task_id)
-    gate = _enter_gate(task, request, store, key, args, kwargs) if header.last else None
+    gate = _enter_gate(task, request, store, header, args, kwargs) if header.last else None
     try:
         held = _claim(task, request, store, header, task_id, args, kwargs)
     except BaseException:
@@ -358,14 +358,18 @@ def _claim(
 
 
 def _enter_gate(
-    task: DedupTaskLike, request: Any, store: LockStore, key: str, args: Any, kwargs: Any
+    task: DedupTaskLike, request: Any, store: LockStore, header: LockHeader, args: Any, kwargs: Any
 ) -> coalesce.Gate:
     """``keep_last``: take the key's run gate, or defer while the key's previous run is in progress.
 
     Deferred, never run beside it, never failed, never dropped: the message
-    comes back after a third of the lease (or a short backoff when the
-    store did not answer) and tries again.
+    comes back shortly (``coalesce.WAIT``, at most a third of the lease) and
+    tries again; its lock is kept alive meanwhile, so a newer call replaces
+    this follow-up instead of finding the key free. A store that did not
+    answer defers it too (a short backoff).
     """
+    key = header.key
+    assert key is not None
     lease = task.dedup_config().runtime.settings.lease_ttl
     token = getattr(request, runs.DELIVERY_FIELD, None) or new_token()
     try:
@@ -374,8 +378,10 @@ def _enter_gate(
         _defer(task, request, args, kwargs, key, f"the store did not answer: {exc}", None)
         raise AssertionError("unreachable") from exc  # _defer raises Ignore
     if not entered:
+        wait = coalesce.wait_for(lease)
+        coalesce.keep_waiting(store, key, header.owner(str(request.id)), wait + header.unique_for)
         reason = "the previous run of its key is in progress"
-        _defer(task, request, args, kwargs, key, reason, lease)
+        _defer(task, request, args, kwargs, key, reason, lease, countdown=wait)
     return gate
 
 
@@ -463,6 +469,7 @@ def _defer(
     key: str,
     reason: str,
     lease: float | None,
+    countdown: float | None = None,
 ) -> None:
     """Publish this very message again for later, then end this copy without a state.
 
@@ -474,7 +481,8 @@ def _defer(
     """
     from celery.app.task import Task
 
-    countdown = lease / 3.0 if lease is not None else 1.0
+    if countdown is None:
+        countdown = lease / 3.0 if lease is not None else 1.0
     logger.info(
         "celery-dedup: %s[%s] deferred by %.1fs (lock %s: %s)",
         task.name,

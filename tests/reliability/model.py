@@ -33,6 +33,8 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from itertools import pairwise
 
+from celery_dedup.coalesce import WAIT
+
 __all__ = [
     "FINAL_STATES",
     "MARGIN",
@@ -242,6 +244,9 @@ class Holding:
         )
 
 
+#: The ``task_skipped`` reason of a ``keep_last`` message waiting for the run gate.
+GATE_WAIT = "deferred: the previous run of its key"
+
 #: ``task_skipped`` reasons of a redelivered copy that ran nothing and
 #: touched no lock: another copy of the same attempt ran or is running.
 COPY_REASONS: tuple[str, ...] = ("already ran", "deferred")
@@ -370,6 +375,10 @@ class _Checker:
         if call.until in ("success", "finish"):
             for start in h.of("start"):
                 latest = max(latest, start.t + call.unique_for + self.ttl_slack)
+        for wait in h.of("skipped"):
+            if call.keep_last and wait.outcome.startswith(GATE_WAIT):
+                # A follow-up waiting for the run gate keeps its lock alive meanwhile.
+                latest = max(latest, wait.t + WAIT + call.unique_for + self.ttl_slack)
         return latest
 
     def _released_by(self, h: Holding) -> float:
@@ -397,6 +406,12 @@ class _Checker:
                 # key again (free once the replacement released): that
                 # hold is the retry's, not ended by this replace.
                 retook = any(e.outcome == "retry" and e.t > other.call.t0 for e in h.of("end"))
+                # A keep_last follow-up whose lock expired before it could keep it
+                # alive was not revoked by a later call that found the key free:
+                # its start claim takes the key again.
+                retook = retook or (
+                    call.keep_last and any(e.t > other.call.t0 for e in h.of("start"))
+                )
                 if not retook:
                     latest = min(latest, other.call.t1)
         return latest
