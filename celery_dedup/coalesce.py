@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +43,7 @@ from celery.exceptions import TaskRevokedError
 from celery.result import AsyncResult, EagerResult
 
 from .exceptions import StoreError
-from .stores.base import RUNNING_POLICY, LockStore, run_record_key
+from .stores.base import RUNNING_POLICY, Lock, LockStore, run_record_key
 
 __all__ = [
     "GATE_POLICY",
@@ -54,6 +56,7 @@ __all__ = [
     "keep_waiting",
     "leave",
     "link_replacement",
+    "linked",
     "renew",
     "replacement_of",
     "try_enter",
@@ -162,6 +165,26 @@ def link_replacement(backend: Any, replaced_id: str, replacing_id: str) -> None:
         )
 
 
+@contextmanager
+def linked(backend: Any, previous: Lock | None, replacing_id: str) -> Iterator[None]:
+    """Link a replaced queued message to the call replacing it around that call's publish.
+
+    The link is written first (a replaced call's handle that finds its
+    message ``REVOKED`` always finds it), and removed again if publishing
+    raises (the previous holder then gets its key back and runs).
+    """
+    if previous is None or previous.started or previous.task_id == replacing_id:
+        yield
+        return
+    link_replacement(backend, previous.task_id, replacing_id)
+    try:
+        yield
+    except BaseException:
+        with suppress(Exception):
+            backend.forget(LINK_PREFIX + previous.task_id)
+        raise
+
+
 def replacement_of(backend: Any, task_id: str) -> str | None:
     """The id of the call that replaced ``task_id`` under ``keep_last``, if one did."""
     try:
@@ -196,6 +219,12 @@ class CoalescedResult(_AsyncResult):
         deadline = None if timeout is None else time.monotonic() + timeout
         current: AsyncResult[Any] = self
         while True:
+            # A replaced message may still be waiting to be skipped (or be
+            # retried until its replacement starts): follow the link at once.
+            replacing = replacement_of(self.backend, str(current.id))
+            if replacing is not None:
+                current = AsyncResult(replacing, app=self.app, backend=self.backend)
+                continue
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
                 value = AsyncResult.get(current, timeout=left, propagate=propagate, **kwargs)

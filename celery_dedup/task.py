@@ -519,9 +519,8 @@ class DedupTask(_Task):
         lock_acquired.send(
             sender=self, key=key, task_id=task_id, ttl=ttl, policy=header.until.value
         )
-        if keep_last and previous is not None and not previous.started:
-            coalesce.link_replacement(self.backend, previous.task_id, task_id)
-        result = self._publish_locked(store, key, task_id, header, publish, previous)
+        with coalesce.linked(self.backend, previous if keep_last else None, task_id):
+            result = self._publish_locked(store, key, task_id, header, publish, previous)
         if previous is not None:
             self._revoke_replaced(key, task_id, previous, call.on_duplicate)
         if keep_last:

@@ -292,6 +292,14 @@ class _Checker:
         by_token: dict[str, list[Event]] = defaultdict(list)
         for event in sorted(trace.events, key=lambda e: e.t):
             by_token[event.token].append(event)
+        #: when each ``keep_last`` message waited for its key's run gate (a
+        #: deferral ``without_copies`` drops, but one that extends the lock)
+        self.gate_waits: dict[str, list[float]] = {
+            token: [
+                e.t for e in events if e.kind == "skipped" and e.outcome.startswith(GATE_WAIT)
+            ]
+            for token, events in by_token.items()
+        }
         for token, events in by_token.items():
             by_token[token] = without_copies(events)
         self.holdings = [
@@ -375,10 +383,10 @@ class _Checker:
         if call.until in ("success", "finish"):
             for start in h.of("start"):
                 latest = max(latest, start.t + call.unique_for + self.ttl_slack)
-        for wait in h.of("skipped"):
-            if call.keep_last and wait.outcome.startswith(GATE_WAIT):
-                # A follow-up waiting for the run gate keeps its lock alive meanwhile.
-                latest = max(latest, wait.t + WAIT + call.unique_for + self.ttl_slack)
+        if call.keep_last:
+            # A follow-up waiting for the run gate keeps its lock alive meanwhile.
+            for waited in self.gate_waits.get(h.token, []):
+                latest = max(latest, waited + WAIT + call.unique_for + self.ttl_slack)
         return latest
 
     def _released_by(self, h: Holding) -> float:

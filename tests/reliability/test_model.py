@@ -134,6 +134,21 @@ def test_a_keep_last_follow_up_must_not_run_beside_the_run_it_follows() -> None:
     assert check(Trace(calls=plain, events=beside.events)) == []
 
 
+def test_a_follow_up_waiting_for_the_run_gate_keeps_its_lock_alive() -> None:
+    """A gate deferral extends the follow-up's lock: seen past its first TTL, no leak."""
+    call = published(
+        0.0, "B", "tb", until="expiry", unique_for=1.0, replace=True, keep_last=True
+    )
+    wait = Event("skipped", "tb", "B", 0.5, outcome="deferred: the previous run of its key is "
+                 "in progress", pid=2)
+    seen = scan(1.2, ("tb", "B", 2.4))
+    events = [Event("prerun", "tb", "B", 0.49, pid=2), wait,
+              Event("postrun", "tb", "B", 0.51, outcome="IGNORED", pid=2), *run("tb", "B", 2.0)]
+    assert check(Trace(calls=[call], events=events, scans=[seen])) == []
+    plain = replace(call, keep_last=False)
+    assert kinds(Trace(calls=[plain], events=events, scans=[seen])) == [Kind.LEAK]
+
+
 def test_a_suppression_after_the_release_is_stale() -> None:
     base: dict[str, Any] = {"events": run("ta", "A", 1.0)}
     stale = Trace(calls=[published(0.0, "A", "ta"), suppressed(2.0, "A")], **base)
