@@ -220,8 +220,13 @@ class CoalescedResult(_AsyncResult):
         current: AsyncResult[Any] = self
         while True:
             # A replaced message may still be waiting to be skipped (or be
-            # retried until its replacement starts): follow the link at once.
-            replacing = replacement_of(self.backend, str(current.id))
+            # retried until its replacement starts): follow the link at once,
+            # unless the message ran to its end after all (a lock its failed
+            # run kept, then taken over: its own result is the answer).
+            own: str = current.state
+            replacing = None
+            if own not in (states.SUCCESS, states.FAILURE):
+                replacing = replacement_of(self.backend, str(current.id))
             if replacing is not None:
                 current = AsyncResult(replacing, app=self.app, backend=self.backend)
                 continue
