@@ -55,7 +55,7 @@ def enqueue_many(
         else validate_positive_seconds(unique_for, "unique_for")
     )
     mode = validate_choice(OnDuplicate, on_duplicate, "on_duplicate")
-    if mode in (OnDuplicate.REPLACE, OnDuplicate.CANCEL_RUNNING):
+    if mode in (OnDuplicate.REPLACE, OnDuplicate.CANCEL_RUNNING, OnDuplicate.KEEP_LAST):
         raise ValueError(f"enqueue_many does not support on_duplicate={mode.value!r}")
     key = lock_key(runtime.settings.key_prefix, BATCH_TASK_NAME, caller_key_material(key_text))
     batch = group(sigs, app=app)

@@ -30,11 +30,15 @@ class LockHeader:
     until: UniqueUntil = UniqueUntil.SUCCESS
     #: ``unique_for`` in seconds (the TTL base for retries)
     unique_for: float = 0.0
-    #: whether a newer call may take the lock over (``replace``, ``cancel_running``)
+    #: whether a newer call may take the lock over (``replace``, ``keep_last``,
+    #: ``cancel_running``)
     replace: bool = False
     #: the owner token of this publish's lock (``None`` on 0.1.0 messages,
     #: whose owner was the task id)
     token: str | None = None
+    #: ``on_duplicate="keep_last"``: the run waits for the key's run in
+    #: progress to end (``coalesce``)
+    last: bool = False
 
     def owner(self, task_id: str) -> str:
         """The owner the store knows this message's lock by."""
@@ -44,7 +48,7 @@ class LockHeader:
         """The header value, JSON-safe."""
         if self.key is None:
             return {"v": _VERSION}
-        return {
+        encoded: dict[str, Any] = {
             "v": _VERSION,
             "key": self.key,
             "until": self.until.value,
@@ -52,6 +56,9 @@ class LockHeader:
             "replace": self.replace,
             "tok": self.token,
         }
+        if self.last:
+            encoded["last"] = True
+        return encoded
 
     @classmethod
     def decode(cls, raw: Mapping[str, Any]) -> LockHeader:
@@ -65,6 +72,7 @@ class LockHeader:
             unique_for=float(raw.get("for") or 0.0),
             replace=bool(raw.get("replace")),
             token=str(raw["tok"]) if raw.get("tok") else None,
+            last=bool(raw.get("last")),
         )
 
 

@@ -88,6 +88,9 @@ class OnDuplicate(str, Enum):
     REPLACE = "replace"
     #: revoke the queued holder or terminate the running one, wait for the key, publish
     CANCEL_RUNNING = "cancel_running"
+    #: one run in progress plus one queued follow-up carrying the latest
+    #: call's arguments (``coalesce``)
+    KEEP_LAST = "keep_last"
 
 
 class Fallback(str, Enum):

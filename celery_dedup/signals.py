@@ -47,7 +47,7 @@ task_deduplicated = Signal(
 #: ``task_id`` is the new holder, ``ttl`` the lock's lifetime in seconds
 #: (``unique_for`` plus any countdown/ETA), ``policy`` the ``unique_until``
 #: value (``"start"``, ``"success"``, ``"finish"`` or ``"expiry"``). Also sent
-#: by ``on_duplicate="replace"`` before ``lock_replaced``.
+#: by ``on_duplicate="replace"`` and ``"keep_last"`` before ``lock_replaced``.
 lock_acquired = Signal(
     name="lock_acquired",
     providing_args=["key", "task_id", "ttl", "policy"],
@@ -66,13 +66,15 @@ lock_released = Signal(
     providing_args=["key", "task_id", "reason"],
 )
 
-#: ``on_duplicate="replace"`` took a lock over: ``task_id`` is the new holder,
-#: ``previous_task_id`` the one that is being revoked; ``policy`` is
-#: ``"replace"``, or ``"replace+max_wait"`` when ``debounce_max_wait`` capped
-#: the new message's ETA.
+#: ``on_duplicate="replace"`` or ``"keep_last"`` took a lock over: ``task_id``
+#: is the new holder, ``previous_task_id`` the one that is being revoked;
+#: ``policy`` is the ``on_duplicate`` value that acted (``"replace+max_wait"``
+#: when ``debounce_max_wait`` capped the new message's ETA). ``follow_up`` is
+#: True when ``keep_last`` found the previous holder running: it is not
+#: revoked, and the new message runs after it.
 lock_replaced = Signal(
     name="lock_replaced",
-    providing_args=["key", "task_id", "previous_task_id", "policy"],
+    providing_args=["key", "task_id", "previous_task_id", "policy", "follow_up"],
 )
 
 #: ``on_duplicate="cancel_running"`` cancelled the holder of ``key``:

@@ -17,7 +17,7 @@ from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry
 from celery.utils import uuid
 
-from . import cancel, debounce, events, key_reuse, native, rates, slots, worker
+from . import cancel, coalesce, debounce, events, key_reuse, native, rates, slots, worker
 from .exceptions import (
     DeduplicationUnavailable,
     DuplicateTaskError,
@@ -185,7 +185,8 @@ class DedupTask(_Task):
     #: ``"caller_provided"`` or ``"always_unique"``; ``None`` asks the app.
     identity: Identity | str | None = None
 
-    #: What a duplicate call does: ``"existing"``, ``"raise"`` or ``"replace"``.
+    #: What a duplicate call does: ``"existing"``, ``"raise"``, ``"replace"`` or
+    #: ``"keep_last"``.
     on_duplicate: OnDuplicate | str | None = None
 
     #: Parameter names the strict identity is restricted to.
@@ -545,12 +546,13 @@ class DedupTask(_Task):
         # A canvas has no single end its lock could be released at: a key
         # given to a chain or a group holds the canvas as one unit for unique_for.
         until = UniqueUntil.EXPIRY if canvas_key else call.unique_until
-        replaces = call.on_duplicate is OnDuplicate.REPLACE
+        keep_last = call.on_duplicate is OnDuplicate.KEEP_LAST
+        replaces = keep_last or call.on_duplicate is OnDuplicate.REPLACE
         cancels = call.on_duplicate is OnDuplicate.CANCEL_RUNNING and not cancel.in_canvas(options)
         # A message a newer call may take the key from waits for that call's
         # publish when it finds its lock gone (it may be given back).
         takes_over = replaces or cancels
-        max_wait = call.debounce_max_wait if replaces else None
+        max_wait = call.debounce_max_wait if call.on_duplicate is OnDuplicate.REPLACE else None
         now = time.time()
         owner = (
             self._owner_token(config, call, args, kwargs, options)
@@ -597,7 +599,7 @@ class DedupTask(_Task):
             # so it owns and releases such a lock; if nothing is published,
             # the lock is released as soon as the store answers.
             orphan = runtime.add_orphan(key, owner, ttl)
-            header = LockHeader(key, until, call.unique_for, takes_over, owner)
+            header = LockHeader(key, until, call.unique_for, takes_over, owner, keep_last)
             result = self._publish_unlocked(exc, key, task_id, publish, header)
             runtime.forget_orphan(orphan)
             return result
@@ -614,20 +616,42 @@ class DedupTask(_Task):
         if refused is not None:
             return refused
 
-        header = LockHeader(key, until, call.unique_for, takes_over, owner)
-        runtime.metrics.incr(self.name, "acquired")
+        header = LockHeader(key, until, call.unique_for, takes_over, owner, keep_last)
+        policy = "replace+max_wait" if max_wait is not None and capped else call.on_duplicate.value
+        return self._publish_taken(
+            store, key, task_id, ttl, header, publish,
+            previous=previous, cancelled=cancelled, policy=policy,
+        )  # fmt: skip
+
+    def _publish_taken(
+        self,
+        store: LockStore,
+        key: str,
+        task_id: str,
+        ttl: float,
+        header: LockHeader,
+        publish: Callable[[str, LockHeader], Any],
+        *,
+        previous: Lock | None,
+        cancelled: Lock | None,
+        policy: str,
+    ) -> Any:
+        """The key is this call's: publish, then deal with the holder it was taken from."""
+        self.dedup_config().runtime.metrics.incr(self.name, "acquired")
         lock_acquired.send(
             sender=self, key=key, task_id=task_id, ttl=ttl, policy=header.until.value
         )
-        result = self._publish_locked(
-            store, key, task_id, header, publish, previous or cancelled
-        )
+        with coalesce.linked(self.backend, previous if header.last else None, task_id):
+            result = self._publish_locked(
+                store, key, task_id, header, publish, previous or cancelled
+            )
         if cancelled is not None:
             cancel.dismiss(self, key, task_id, cancelled)
         if previous is not None:
-            policy = "replace+max_wait" if max_wait is not None and capped else "replace"
             self._revoke_replaced(key, task_id, previous, policy)
-        return mark_result(result, key, owner)
+        if header.last:
+            result = coalesce.following(result)
+        return mark_result(result, key, header.token)
 
     def _publish_unlocked(
         self,
@@ -729,7 +753,9 @@ class DedupTask(_Task):
 
         The previous owner is marked revoked before anything is published, so
         it can never run after this call returns, even if the replacing task
-        runs and releases first or the revoke broadcast is lost.
+        runs and releases first or the revoke broadcast is lost. (A run in
+        progress is not stopped by it: only its copies, should its worker
+        die, are refused. ``keep_last`` relies on that: ``coalesce``.)
         """
         previous = store.take_over(key, owner, ttl, meta)
         if previous is None or previous.owner == owner:
@@ -944,17 +970,23 @@ class DedupTask(_Task):
     def _revoke_replaced(
         self, key: str, task_id: str, previous: Lock, policy: str = "replace"
     ) -> None:
-        """Tell workers to drop the replaced message (saves work; its start claim refuses it)."""
+        """Tell workers to drop the replaced message (saves work; its start claim refuses it).
+
+        A ``keep_last`` holder whose run is in progress is followed, not
+        replaced: no revoke is broadcast (its run goes on to its end).
+        """
         self.dedup_config().runtime.metrics.incr(self.name, "replaced")
+        follows = policy == OnDuplicate.KEEP_LAST.value and previous.started
         lock_replaced.send(
             sender=self,
             key=key,
             task_id=task_id,
             previous_task_id=previous.task_id,
             policy=policy,
+            follow_up=follows,
         )
-        if previous.task_id == task_id:
-            # A deterministic id: revoking it by id would discard the new message too.
+        if follows or previous.task_id == task_id:
+            # (A deterministic id: revoking it by id would discard the new message too.)
             return
         try:
             self.app.control.revoke(previous.task_id)

@@ -28,7 +28,7 @@ from celery.worker.control import control_command
 from celery.worker.request import Request
 from kombu.serialization import registry  # type: ignore[attr-defined]
 
-from . import leases, runs
+from . import coalesce, leases, runs
 from .exceptions import StoreContention, StoreError, StoreUnavailable
 from .header import HEADER, LockHeader, new_token, read_header
 from .identity import bound_queue, deterministic_task_id
@@ -307,6 +307,29 @@ def claim_at_start(
             release(task, store, key, owner, task_id, "start")
             return None
         return Held(store, header, key, owner, task_id)
+    gate = _enter_gate(task, request, store, header, args, kwargs) if header.last else None
+    try:
+        held = _claim(task, request, store, header, task_id, args, kwargs)
+    except BaseException:
+        coalesce.leave(gate)  # this message does not run (now)
+        raise
+    held.gate = gate
+    return held
+
+
+def _claim(
+    task: DedupTaskLike,
+    request: Any,
+    store: LockStore,
+    header: LockHeader,
+    task_id: str,
+    args: Any,
+    kwargs: Any,
+) -> Held:
+    """The start claim proper (``claim_at_start`` past its early exits)."""
+    key = header.key
+    assert key is not None
+    owner, until = header.owner(task_id), header.until
     guarded = owner.startswith(GUARD_PREFIX)
     release_now = until is UniqueUntil.START
     retake = guarded or until is UniqueUntil.SUCCESS or until is UniqueUntil.FINISH
@@ -332,6 +355,34 @@ def claim_at_start(
     if guarded:
         _remember_guard(request, header)
     return held
+
+
+def _enter_gate(
+    task: DedupTaskLike, request: Any, store: LockStore, header: LockHeader, args: Any, kwargs: Any
+) -> coalesce.Gate:
+    """``keep_last``: take the key's run gate, or defer while the key's previous run is in progress.
+
+    Deferred, never run beside it, never failed, never dropped: the message
+    comes back shortly (``coalesce.WAIT``, at most a third of the lease) and
+    tries again; its lock is kept alive meanwhile, so a newer call replaces
+    this follow-up instead of finding the key free. A store that did not
+    answer defers it too (a short backoff).
+    """
+    key = header.key
+    assert key is not None
+    lease = task.dedup_config().runtime.settings.lease_ttl
+    token = getattr(request, runs.DELIVERY_FIELD, None) or new_token()
+    try:
+        gate, entered = coalesce.try_enter(store, key, str(token), lease, task.name, request.id)
+    except StoreError as exc:
+        _defer(task, request, args, kwargs, key, f"the store did not answer: {exc}", None)
+        raise AssertionError("unreachable") from exc  # _defer raises Ignore
+    if not entered:
+        wait = coalesce.wait_for(lease)
+        coalesce.keep_waiting(store, key, header.owner(str(request.id)), wait + header.unique_for)
+        reason = "the previous run of its key is in progress"
+        _defer(task, request, args, kwargs, key, reason, lease, countdown=wait)
+    return gate
 
 
 def _run_of(request: Any, key: str, owner: str) -> RunRef | None:
@@ -615,6 +666,18 @@ def _remember_guard(request: Any, header: LockHeader) -> None:
 
 
 def finish(task: DedupTaskLike, held: Held, outcome: Outcome) -> None:
+    """Apply the policy when the run ends (``_finish``), then open its ``keep_last`` run gate.
+
+    The gate opens last: the next run of the key starts only once this
+    run's lock is released or settled.
+    """
+    try:
+        _finish(task, held, outcome)
+    finally:
+        coalesce.leave(held.gate)
+
+
+def _finish(task: DedupTaskLike, held: Held, outcome: Outcome) -> None:
     """Apply the policy when the run ends, before the result is stored.
 
     The attempt's done marker is written first, in the same store call (a
@@ -709,6 +772,7 @@ def release_killed_run(task: DedupTaskLike, request: Any, outcome: Outcome) -> N
     if found is not None:
         # The attempt ended (killed by a time limit or a revoke): its copies must not run.
         _end_quietly(task, Held(store, header, header.key, "", str(request.id), run=found[1]), None)
+        coalesce.leave(leases.gate_of(request))
     if _killed_run_releases(header, outcome):
         task_id = str(request.id)
         release(task, store, header.key, header.owner(task_id), task_id, outcome.value)
@@ -745,6 +809,8 @@ def _give_delivery_token(task: DedupTaskLike, request: Any) -> None:
     token = request_dict[runs.DELIVERY_FIELD] = request_dict.get(runs.DELIVERY_FIELD) or new_token()
     run = RunRef(header.key, header.owner(str(request.id)), runs.attempt_of(request_dict), token)
     leases.remember(request, store, run, runtime.settings.lease_ttl)
+    if header.last:
+        leases.remember_gate(request, coalesce.Gate(store, coalesce.gate_key(header.key), token))
 
 
 def _guard_unannounced(task: DedupTaskLike, request: Any) -> None:
@@ -816,6 +882,7 @@ def abandon_lost_run(request: Any) -> None:
     task: Any = getattr(request, "task", None)
     if found is not None and hasattr(task, "dedup_config"):
         _abandon_run(task, found[0], found[1])
+        coalesce.leave(leases.gate_of(request))  # the key's next run may start now
 
 
 def _remember_request(sender: Any = None, request: Any = None, **_: Any) -> None:

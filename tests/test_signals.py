@@ -112,9 +112,21 @@ def test_lock_replaced(app: Celery, receive: Any) -> None:
     assert second.id != first.id
     assert replaced == [
         (task, {"key": first.deduplication_key, "task_id": second.id,
-                "previous_task_id": first.id, "policy": "replace"})
+                "previous_task_id": first.id, "policy": "replace", "follow_up": False})
     ]
     assert [kwargs["task_id"] for _, kwargs in acquired] == [first.id, second.id]
+
+
+def test_lock_replaced_names_keep_last(app: Celery, receive: Any) -> None:
+    """``on_duplicate="keep_last"`` replacing a queued message says which policy acted."""
+    replaced = receive(lock_replaced)
+    task = app.tasks[SYNC]
+    first = task.apply_async((9,), on_duplicate="keep_last")
+    second = task.apply_async((9,), on_duplicate="keep_last")
+    assert replaced == [
+        (task, {"key": first.deduplication_key, "task_id": second.id,
+                "previous_task_id": first.id, "policy": "keep_last", "follow_up": False})
+    ]
 
 
 def test_dedup_fallback_open_and_closed(redis_server: RedisServer, receive: Any) -> None:

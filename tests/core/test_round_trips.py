@@ -120,3 +120,37 @@ def test_cancel_running_and_capped_debounce_round_trips(redis_server: RedisServe
     assert measure(client, lambda: debounce.apply_async((2,), countdown=1)) == 2
     client.close()
     app.close()
+
+
+def test_keep_last_round_trips(redis_server: RedisServer) -> None:
+    """keep_last: a call on a free key 1 round trip, on a held key 2 (take-over, revoked
+    marker); an executed run 4 (the run gate's take and give-up around the usual 2)."""
+    from celery.contrib.testing.worker import start_worker
+
+    client = counting_client(redis_server, 7)
+    client.flushdb()
+    apps = []
+    for queue in ("rt-last-calls", "rt-last-runs"):
+        app = Celery(queue, broker="memory://", backend="cache+memory://", set_as_current=False)
+        app.conf.update(
+            task_default_queue=queue, dedup_metrics_flush_interval=3600, dedup_lease_ttl=600
+        )
+        runtime_for(app).use_store(RedisStore(client))
+        apps.append(app)
+    def echo(x: int) -> int:
+        return x
+
+    calls, runs = (
+        app.task(base=DedupTask, shared=False, unique_for=30, on_duplicate="keep_last")(echo)
+        for app in apps
+    )
+    calls.delay(0)  # loads the scripts
+    calls.delay(0)
+    assert measure(client, lambda: calls.delay(1)) == 1
+    assert measure(client, lambda: calls.delay(1)) == 2
+    with start_worker(apps[1], pool="solo", perform_ping_check=False, loglevel="WARNING"):
+        runs.delay(2).get(timeout=30)  # the worker's scripts are loaded
+        assert measure(client, lambda: runs.delay(3).get(timeout=30)) == 1 + 4
+    client.close()
+    for app in apps:
+        app.close()

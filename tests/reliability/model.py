@@ -33,6 +33,8 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from itertools import pairwise
 
+from celery_dedup.coalesce import WAIT
+
 __all__ = [
     "FINAL_STATES",
     "MARGIN",
@@ -76,6 +78,8 @@ class Kind(str, Enum):
     LOST = "lost message"
     #: the body of a message whose revoke released its lock ran anyway
     REVOKED_RAN = "revoked ran"
+    #: two ``keep_last`` runs of one key overlapped (a follow-up ran beside its run)
+    OVERLAP = "overlapping keep_last runs"
 
 
 @dataclass(frozen=True)
@@ -97,7 +101,10 @@ class Call:
     task_id: str
     #: the owner token the call published (``published`` and ``failed``)
     token: str = ""
+    #: the call could take the lock over (``replace`` or ``keep_last``)
     replace: bool = False
+    #: ``on_duplicate="keep_last"``: its runs never overlap another keep_last run
+    keep_last: bool = False
     countdown: float = 0.0
     #: the message's ``expires`` as epoch seconds
     expires_at: float | None = None
@@ -237,6 +244,9 @@ class Holding:
         )
 
 
+#: The ``task_skipped`` reason of a ``keep_last`` message waiting for the run gate.
+GATE_WAIT = "deferred: the previous run of its key"
+
 #: ``task_skipped`` reasons of a redelivered copy that ran nothing and
 #: touched no lock: another copy of the same attempt ran or is running.
 COPY_REASONS: tuple[str, ...] = ("already ran", "deferred")
@@ -282,6 +292,14 @@ class _Checker:
         by_token: dict[str, list[Event]] = defaultdict(list)
         for event in sorted(trace.events, key=lambda e: e.t):
             by_token[event.token].append(event)
+        #: when each ``keep_last`` message waited for its key's run gate (a
+        #: deferral ``without_copies`` drops, but one that extends the lock)
+        self.gate_waits: dict[str, list[float]] = {
+            token: [
+                e.t for e in events if e.kind == "skipped" and e.outcome.startswith(GATE_WAIT)
+            ]
+            for token, events in by_token.items()
+        }
         for token, events in by_token.items():
             by_token[token] = without_copies(events)
         self.holdings = [
@@ -365,6 +383,10 @@ class _Checker:
         if call.until in ("success", "finish"):
             for start in h.of("start"):
                 latest = max(latest, start.t + call.unique_for + self.ttl_slack)
+        if call.keep_last:
+            # A follow-up waiting for the run gate keeps its lock alive meanwhile.
+            for waited in self.gate_waits.get(h.token, []):
+                latest = max(latest, waited + WAIT + call.unique_for + self.ttl_slack)
         return latest
 
     def _released_by(self, h: Holding) -> float:
@@ -392,6 +414,12 @@ class _Checker:
                 # key again (free once the replacement released): that
                 # hold is the retry's, not ended by this replace.
                 retook = any(e.outcome == "retry" and e.t > other.call.t0 for e in h.of("end"))
+                # A keep_last follow-up whose lock expired before it could keep it
+                # alive was not revoked by a later call that found the key free:
+                # its start claim takes the key again.
+                retook = retook or (
+                    call.keep_last and any(e.t > other.call.t0 for e in h.of("start"))
+                )
                 if not retook:
                     latest = min(latest, other.call.t1)
         return latest
@@ -517,6 +545,46 @@ class _Checker:
             e.retries == run.retries and e.pid == run.pid and run.t <= e.t < until
             for e in h.of("end")
         )
+
+    def check_coalesced(self) -> None:
+        """``keep_last``: no two runs of one key overlap, whoever holds the lock.
+
+        A run is its body's start record to its end record (the run gate is
+        taken before the first and given up after the last); a run killed
+        before its end record is left out (its gate lapses, unrecorded).
+        """
+        for holdings in self.by_key.values():
+            spans = sorted(
+                (start.t, end.t, h.call.task_id)
+                for h in holdings
+                if h.call.keep_last
+                for start, end in self._spans(h)
+            )
+            latest_end, latest_id = -INF, ""
+            for begin, end, task_id in spans:
+                if begin + self.m < latest_end:
+                    self.report(
+                        Kind.OVERLAP,
+                        holdings[0].key,
+                        f"{task_id} started {latest_end - begin:.3f}s before "
+                        f"{latest_id}'s run ended",
+                    )
+                if end > latest_end:
+                    latest_end, latest_id = end, task_id
+
+    @staticmethod
+    def _spans(h: Holding) -> list[tuple[Event, Event]]:
+        """Each body start of ``h`` with the end record its run wrote (same try, same pid)."""
+        spans = []
+        ends = h.of("end")
+        for start in h.of("start"):
+            mine = [
+                e for e in ends if e.retries == start.retries and e.pid == start.pid
+                and e.t >= start.t
+            ]
+            if mine:
+                spans.append((start, min(mine, key=lambda e: e.t)))
+        return spans
 
     def check_suppressions(self) -> None:
         for call in self.trace.calls:
@@ -655,6 +723,7 @@ def check(trace: Trace, margin: float = MARGIN, ttl_slack: float = 0.0) -> list[
     checker = _Checker(trace, margin, ttl_slack)
     checker.check_publishes()
     checker.check_executions()
+    checker.check_coalesced()
     checker.check_suppressions()
     checker.check_scans()
     checker.check_revokes()

@@ -251,7 +251,9 @@ class Producer:
             "key": key,
             "until": call.unique_until.value,
             "unique_for": float(call.unique_for or 0.0),
-            "replace": call.on_duplicate.value == "replace",
+            # keep_last takes the lock over as replace does (and adds a run gate).
+            "replace": call.on_duplicate.value in ("replace", "keep_last"),
+            "keep_last": call.on_duplicate.value == "keep_last",
             "countdown": countdown,
         }
         _published.last = None

@@ -118,6 +118,37 @@ def test_replace_takes_over_but_the_replaced_message_must_not_run() -> None:
     assert check(claimed_before) == []
 
 
+def test_a_keep_last_follow_up_must_not_run_beside_the_run_it_follows() -> None:
+    """The follow-up takes the lock over while A runs; its body must wait for A's end."""
+    calls = [
+        published(0.0, "A", "ta", keep_last=True),
+        published(0.5, "B", "tb", replace=True, keep_last=True),
+    ]
+    after = Trace(calls=calls, events=[*run("ta", "A", 0.2, seconds=1.0), *run("tb", "B", 1.5)])
+    assert check(after) == []
+    beside = Trace(calls=calls, events=[*run("ta", "A", 0.2, seconds=1.0), *run("tb", "B", 0.7)])
+    assert kinds(beside) == [Kind.OVERLAP]
+    assert "B started" in check(beside)[0].detail
+    # Without keep_last (a replace), overlapping runs are not this check's business.
+    plain = [replace(c, keep_last=False) for c in calls]
+    assert check(Trace(calls=plain, events=beside.events)) == []
+
+
+def test_a_follow_up_waiting_for_the_run_gate_keeps_its_lock_alive() -> None:
+    """A gate deferral extends the follow-up's lock: seen past its first TTL, no leak."""
+    call = published(
+        0.0, "B", "tb", until="expiry", unique_for=1.0, replace=True, keep_last=True
+    )
+    wait = Event("skipped", "tb", "B", 0.5, outcome="deferred: the previous run of its key is "
+                 "in progress", pid=2)
+    seen = scan(1.2, ("tb", "B", 2.4))
+    events = [Event("prerun", "tb", "B", 0.49, pid=2), wait,
+              Event("postrun", "tb", "B", 0.51, outcome="IGNORED", pid=2), *run("tb", "B", 2.0)]
+    assert check(Trace(calls=[call], events=events, scans=[seen])) == []
+    plain = replace(call, keep_last=False)
+    assert kinds(Trace(calls=[plain], events=events, scans=[seen])) == [Kind.LEAK]
+
+
 def test_a_suppression_after_the_release_is_stale() -> None:
     base: dict[str, Any] = {"events": run("ta", "A", 1.0)}
     stale = Trace(calls=[published(0.0, "A", "ta"), suppressed(2.0, "A")], **base)

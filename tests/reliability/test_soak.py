@@ -123,6 +123,7 @@ def test_soak_finds_no_violation(
     outcomes = Counter(c.outcome for c in trace.calls)
     assert outcomes["published"] > plan.calls // 10 and outcomes["deduplicated"] > 0, report
     assert outcomes["raised"] > 0 and len(trace.revokes) > 0, report
+    assert any(c.keep_last and c.outcome == "published" for c in trace.calls), report
     kinds = Counter(e.kind for e in trace.events)
     assert kinds["start"] > 0 and kinds["skipped"] > 0 and kinds["revoked"] > 0, report
     assert all(k in Kind for k in Kind)

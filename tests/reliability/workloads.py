@@ -3,7 +3,8 @@
 The soak:
 
 Every key has a fixed profile (its ``unique_until``, a short or long
-``unique_for``, ``deterministic_id`` or not); every call draws its own
+``unique_for``, ``deterministic_id`` or not; every seventh key is coalesced
+with ``on_duplicate="keep_last"``); every other key's call draws its own
 ``on_duplicate``, ``countdown``/``expires`` and what its body will do (sleep,
 fail, retry with a countdown), and some published calls are revoked shortly
 after. Producers pace their calls to a fixed total rate.
@@ -78,6 +79,9 @@ class Workload:
         options = self.profile(n)
         pick = rng.random()
         on_duplicate = "existing" if pick < 0.7 else "raise" if pick < 0.85 else "replace"
+        if n % 7 == 3:
+            # keep_last is a key's policy (one run at a time is per key): every call.
+            on_duplicate = "keep_last"
         options["on_duplicate"] = on_duplicate
         pick = rng.random()
         if pick < 0.10:

@@ -1,0 +1,262 @@
+"""``on_duplicate="keep_last"``: one run in progress per key, plus one follow-up (issue 24).
+
+A real ``celery worker -P prefork`` subprocess with two free slots consumes
+from a Redis broker that restores unacknowledged messages after 2 s; locks
+and run gates live in the result backend's Redis or in PostgreSQL. Task
+bodies append their start and end to a Redis list: its order shows that no
+two runs of the key overlapped, and its entries the arguments each run had.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from celery import Celery, states
+
+from celery_dedup import DedupTask, inspect_lock
+from celery_dedup.runtime import runtime_for
+from tests.fixtures.postgres import PostgresServer
+from tests.fixtures.redis import RedisServer
+
+from .conftest import wait_until
+from .test_ownership import texts
+from .test_ownership_prefork import ROOT, Worker
+
+pytestmark = pytest.mark.timeout(300)
+
+QUEUE = "keep-last"
+BROKER_DB, BACKEND_DB, RUNS_DB = 60, 61, 62
+VISIBILITY = 2
+LEASE = 3
+
+app = Celery("keep_last", set_as_current=False)
+app.conf.update(
+    broker_url=os.environ.get("LAST_BROKER_URL", "memory://"),
+    result_backend=os.environ.get("LAST_BACKEND_URL"),
+    dedup_store=os.environ.get("LAST_STORE_URL") or None,
+    broker_transport_options={
+        "visibility_timeout": VISIBILITY,
+        "unacked_restore_interval": 1,
+        "unacked_restore_throttle": 1,
+    },
+    task_default_queue=QUEUE,
+    broker_connection_retry_on_startup=True,
+    result_expires=None,
+    dedup_lease_ttl=LEASE,
+    dedup_metrics_flush_interval=3600,
+)
+
+_client: list[redis.Redis] = []
+
+
+def _redis() -> redis.Redis:
+    if not _client:
+        _client.append(redis.Redis.from_url(os.environ["LAST_RUNS_URL"]))
+    return _client[0]
+
+
+def record(event: str) -> None:
+    """Append ``event`` (with this process's pid) to the shared log."""
+    _redis().rpush("runs", f"{event}:{os.getpid()}")
+
+
+def hold_until_released(x: int) -> None:
+    """The first run (``x == 0``) waits until the test lets it end."""
+    deadline = time.monotonic() + 120
+    while x == 0 and not _redis().get("go") and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+@app.task(
+    base=DedupTask,
+    name="last.sync",
+    unique_for=120,
+    on_duplicate="keep_last",
+    deduplication_key=lambda x: "account-7",
+)
+def sync(x: int) -> int:
+    """Re-sync an account with the state ``x`` (every call carries the newest)."""
+    record(f"start:{x}")
+    hold_until_released(x)
+    record(f"end:{x}")
+    return x
+
+
+@app.task(
+    base=DedupTask,
+    name="last.fragile",
+    unique_for=120,
+    on_duplicate="keep_last",
+    deduplication_key=lambda x: "account-8",
+    acks_late=True,
+    reject_on_worker_lost=True,
+)
+def fragile(x: int) -> int:
+    """Like ``sync``; a follow-up runs 6 s, long enough to be killed mid-run."""
+    record(f"start:{x}")
+    hold_until_released(x)
+    if x:
+        time.sleep(6)
+    record(f"end:{x}")
+    return x
+
+
+@pytest.fixture(params=["redis", "postgres"])
+def worker(
+    request: pytest.FixtureRequest,
+    redis_server: RedisServer,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[Worker]:
+    """A two-slot prefork worker (started by the test); its store is Redis or PostgreSQL."""
+    redis_server.flush(BROKER_DB, BACKEND_DB, RUNS_DB)
+    store = ""
+    if request.param == "postgres":
+        server: PostgresServer = request.getfixturevalue("postgres_server")
+        store = "db+" + server.url()
+        with server.connect() as conn:
+            conn.execute(
+                "DO $$ BEGIN IF to_regclass('celery_dedup_sql_lock') IS NOT NULL THEN "
+                "DELETE FROM celery_dedup_sql_lock; DELETE FROM celery_dedup_sql_revoked; "
+                "END IF; END $$"
+            )
+    env = {
+        **os.environ,
+        "LAST_BROKER_URL": redis_server.url(BROKER_DB),
+        "LAST_BACKEND_URL": redis_server.url(BACKEND_DB),
+        "LAST_RUNS_URL": redis_server.url(RUNS_DB),
+        "LAST_STORE_URL": store,
+        "PYTHONPATH": str(ROOT),
+    }
+    monkeypatch.setenv("LAST_RUNS_URL", env["LAST_RUNS_URL"])
+    _client.clear()
+    app.conf.update(
+        broker_url=env["LAST_BROKER_URL"],
+        result_backend=env["LAST_BACKEND_URL"],
+        dedup_store=store or None,
+    )
+    proc = Worker(env, tmp_path / "worker.log", app_module=__name__, queue=QUEUE, concurrency=2)
+    try:
+        yield proc
+    finally:
+        proc.stop()
+        runtime_for(app).metrics.flush()
+
+
+def logged(redis_server: RedisServer) -> list[str]:
+    """Every start and end so far, in order, without the pids."""
+    with redis_server.client(RUNS_DB) as client:
+        return [event.rsplit(":", 1)[0] for event in texts(client.lrange("runs", 0, -1))]
+
+
+def pids(redis_server: RedisServer, event: str) -> list[int]:
+    """The pids that logged ``event``, in order."""
+    with redis_server.client(RUNS_DB) as client:
+        events = texts(client.lrange("runs", 0, -1))
+    return [int(e.rsplit(":", 1)[1]) for e in events if e.rsplit(":", 1)[0] == event]
+
+
+def release_first_run(redis_server: RedisServer) -> None:
+    with redis_server.client(RUNS_DB) as client:
+        client.set("go", "1")
+
+
+def settle() -> None:
+    """Let every copy the broker would still redeliver (or a deferral bring back) arrive."""
+    time.sleep(3 * VISIBILITY + LEASE)
+
+
+def test_twenty_calls_while_one_runs_make_one_follow_up_with_the_last_arguments(
+    worker: Worker, redis_server: RedisServer
+) -> None:
+    """1 call, then 20 while it runs, two workers with free slots: exactly 2 runs, the second
+    with call 20's arguments, starting only after the first ended."""
+    other = Worker(
+        worker.env, worker.log.with_name("other.log"), app_module=__name__, queue=QUEUE,
+        concurrency=2,
+    )
+    worker.start()
+    other.start()
+    try:
+        first = sync.delay(0)
+        wait_until(lambda: "start:0" in logged(redis_server), timeout=60)
+        calls = [sync.delay(x) for x in range(1, 21)]
+        assert all(call.deduplicated is False for call in calls)
+        # Follow-ups delivered to the free slots are deferred meanwhile, never run.
+        wait_until(lambda: "deferred" in worker.text() + other.text(), timeout=60)
+        assert logged(redis_server) == ["start:0"]
+        release_first_run(redis_server)
+        assert first.get(timeout=60) == 0
+        assert calls[-1].get(timeout=90) == 20
+        settle()
+        assert logged(redis_server) == ["start:0", "end:0", "start:20", "end:20"]
+        # Every replaced follow-up ends REVOKED; its handle resolves to call 20's run.
+        for call in calls[:-1]:
+            wait_until(lambda call=call: call.state == states.REVOKED, timeout=60)
+            assert call.get(timeout=30) == 20
+        assert inspect_lock(first.deduplication_key, app=app) is None
+        assert sync.delay(21).deduplicated is False  # nothing left behind
+    finally:
+        other.stop()
+
+
+def test_a_call_while_only_a_queued_message_holds_the_key_replaces_it(
+    worker: Worker, redis_server: RedisServer
+) -> None:
+    """Nothing runs yet: the queued message is replaced, only the last call runs."""
+    calls = [sync.delay(x) for x in (5, 6, 7)]
+    release_first_run(redis_server)
+    worker.start()
+    assert calls[-1].get(timeout=60) == 7
+    settle()
+    assert logged(redis_server) == ["start:7", "end:7"]
+    for call in calls[:-1]:
+        wait_until(lambda call=call: call.state == states.REVOKED, timeout=60)
+        assert call.get(timeout=30) == 7  # the run that covered the call
+
+
+def test_a_follow_up_whose_pool_child_is_sigkilled_still_runs_once(
+    worker: Worker, redis_server: RedisServer
+) -> None:
+    """``acks_late`` + ``reject_on_worker_lost``: the killed follow-up runs once more, to its end,
+    never beside another run of the key."""
+    worker.start()
+    first = fragile.delay(0)
+    wait_until(lambda: "start:0" in logged(redis_server), timeout=60)
+    follow_up = fragile.delay(1)
+    release_first_run(redis_server)
+    wait_until(lambda: pids(redis_server, "start:1"), timeout=60)
+    child = pids(redis_server, "start:1")[0]
+    os.kill(child, signal.SIGKILL)
+    assert first.get(timeout=60) == 0
+    assert follow_up.get(timeout=90) == 1
+    settle()
+    assert logged(redis_server) == ["start:0", "end:0", "start:1", "start:1", "end:1"]
+    assert inspect_lock(first.deduplication_key, app=app) is None
+    assert fragile.delay(2).deduplicated is False
+
+
+def test_a_follow_up_waiting_when_the_whole_worker_is_sigkilled_still_runs_once(
+    worker: Worker, redis_server: RedisServer
+) -> None:
+    """The worker dies while the first run holds the key and its follow-up waits: after a
+    restart the follow-up runs once, and the superseded first run is not run again."""
+    worker.start()
+    first = fragile.delay(0)
+    wait_until(lambda: "start:0" in logged(redis_server), timeout=60)
+    follow_up = fragile.delay(1)
+    wait_until(lambda: "deferred" in worker.text(), timeout=60)
+    worker.kill()
+    release_first_run(redis_server)
+    worker.start()
+    assert follow_up.get(timeout=120) == 1
+    settle()
+    assert logged(redis_server) == ["start:0", "start:1", "end:1"]
+    assert first.state != states.SUCCESS
+    assert inspect_lock(first.deduplication_key, app=app) is None
