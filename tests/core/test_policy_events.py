@@ -10,8 +10,6 @@ when ``dedup_send_events`` is on.
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,6 +19,7 @@ from celery import Celery
 from celery_dedup import DeduplicatedResult, DedupTask, KeyReuseError
 from celery_dedup.events import dispatcher_hostname
 from celery_dedup.runtime import reset_runtime
+from tests.fixtures._events import Recorder
 
 from .conftest import AppFactory, wait_until
 from .test_cancel_running import RUNS_DB, worker  # noqa: F401 (a fixture)
@@ -29,58 +28,6 @@ from .test_cancel_running import runs as cancel_runs
 from .test_cancel_running import sync as cancel_sync
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(120)]
-
-#: the event a test sends last: every event it sent before arrived once this one did
-SENTINEL = "dedup-test-sentinel"
-
-
-class Recorder:
-    """Every event the broker delivers to a real ``celery.events`` receiver, in order."""
-
-    def __init__(self, app: Celery) -> None:
-        self.app = app
-        self.events: list[dict[str, Any]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._listen, daemon=True)
-        self._thread.start()
-        # Redis events are pub/sub: wait until the receiver is subscribed.
-        wait_until(self._probe, timeout=30, interval=0.2)
-
-    def _listen(self) -> None:
-        with self.app.connection_for_read() as conn:
-            receiver = self.app.events.Receiver(conn, handlers={"*": self.events.append})
-            while not self._stop.is_set():
-                try:
-                    receiver.capture(limit=None, timeout=0.5, wakeup=False)
-                except TimeoutError:
-                    continue
-                except OSError:
-                    continue
-
-    def _probe(self) -> bool:
-        self._send(SENTINEL, probe=True)
-        return any(e["type"] == SENTINEL for e in self.events)
-
-    def _send(self, event_type: str, **fields: Any) -> None:
-        with self.app.events.default_dispatcher(hostname="dedup-test@probe") as dispatcher:
-            dispatcher.send(event_type, **fields)
-
-    def settled(self) -> list[dict[str, Any]]:
-        """The task events sent so far: a sentinel goes last and is waited for."""
-        mark = f"{time.monotonic()}"
-        self._send(SENTINEL, mark=mark)
-        wait_until(lambda: any(e.get("mark") == mark for e in self.events), timeout=30)
-        return [e for e in self.events if e["type"].startswith("task-")]
-
-    def of(self, event_type: str) -> list[dict[str, Any]]:
-        """The settled events of one type."""
-        return [e for e in self.settled() if e["type"] == event_type]
-
-    def close(self) -> None:
-        """Stop listening."""
-        self._stop.set()
-        self._thread.join(10)
-
 
 @pytest.fixture
 def recorded(app_factory: AppFactory) -> Iterator[Callable[..., tuple[Celery, Recorder]]]:
