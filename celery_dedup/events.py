@@ -13,7 +13,9 @@
 * ``task-ignored``: a task the worker skipped because another task holds its
   lock (``task_skipped``) is reported under its own uuid from the worker's
   hostname, so Flower shows it as ``IGNORED`` (the state the result backend
-  has) instead of leaving it ``STARTED`` forever.
+  has) instead of leaving it ``STARTED`` forever. A message skipped because
+  its owner was revoked (``replace``, ``cancel_running``, ``revoke()``) gets
+  Celery's own ``task-revoked`` instead (state ``REVOKED``).
 
 * ``task-replaced`` and ``task-cancelled``: a published message that a
   policy displaced: replaced by ``on_duplicate="replace"`` (``policy``
@@ -74,6 +76,9 @@ SKIPPED_EVENT_TYPE: Final = "task-ignored"
 #: the event of a message a worker deferred (published again for later):
 #: Flower shows its state as ``DEFERRED`` until the copy's own events
 DEFERRED_EVENT_TYPE: Final = "task-deferred"
+
+#: Celery's event of a revoked task: a skipped message whose owner was revoked
+REVOKED_EVENT_TYPE: Final = "task-revoked"
 
 #: the event of a message ``on_duplicate="replace"`` displaced (Flower state ``REPLACED``)
 REPLACED_EVENT_TYPE: Final = "task-replaced"
@@ -205,13 +210,22 @@ def send_skipped(
     """Emit one ``task-ignored`` event for a task the worker skipped.
 
     Sent under the skipped task's own id from the worker's hostname; failures
-    are logged, never raised. A deferred message (``reason`` ``"deferred: …"``)
-    is not skipped but put back for later: it gets a ``task-deferred`` event
-    instead, which Flower shows as state ``DEFERRED`` (never failed).
+    are logged, never raised. A revoked one (replaced, cancelled, revoked)
+    gets Celery's ``task-revoked`` instead: state ``REVOKED``. A deferred
+    message (``reason`` ``"deferred: …"``) is not skipped but put back for
+    later: it gets a ``task-deferred`` event instead, which Flower shows as
+    state ``DEFERRED`` (never failed).
     """
     deferred = reason.startswith("deferred")
     try:
         with app.events.default_dispatcher(hostname=hostname or dispatcher_hostname()) as d:
+            if reason == "revoked":
+                # Celery's own event, as for any revoke: state REVOKED (as the
+                # result backend says), ranked below the REPLACED or
+                # CANCELLED a policy's event set, so that stays visible.
+                d.send(REVOKED_EVENT_TYPE, uuid=task_id, name=task_name, terminated=False,
+                       signum=None, expired=False)
+                return
             d.send(
                 DEFERRED_EVENT_TYPE if deferred else SKIPPED_EVENT_TYPE,
                 uuid=task_id,
