@@ -43,8 +43,8 @@ RACE_WORKERS = 8
 RACE_KEYS = [f"race:{i:03d}" for i in range(200)]
 TQ_RACE_KEYS = [f"tq-race:{i:03d}" for i in range(60)]
 
-#: Stores with no ``QueuedTakeOver`` (generic caches: no atomic read-and-write
-#: of a record's started flag); every other store must have it.
+#: Stores without ``QueuedTakeOver`` (the generic caches: cancel_running
+#: revokes, then acquires there); every other store must have it.
 WITHOUT_QUEUED_TAKE_OVER = frozenset({"memcached", "cache", "django-cache"})
 
 
