@@ -13,9 +13,29 @@
 * ``task-ignored``: a task the worker skipped because another task holds its
   lock (``task_skipped``) is reported under its own uuid from the worker's
   hostname, so Flower shows it as ``IGNORED`` (the state the result backend
-  has) instead of leaving it ``STARTED`` forever.
+  has) instead of leaving it ``STARTED`` forever. A message skipped because
+  its owner was revoked (``replace``, ``cancel_running``, ``revoke()``) gets
+  Celery's own ``task-revoked`` instead (state ``REVOKED``).
 
-Both are sent when ``dedup_send_events`` is on. Unset, it is on when the
+* ``task-replaced`` and ``task-cancelled``: a published message that a
+  policy displaced: replaced by ``on_duplicate="replace"`` (``policy``
+  ``"replace"``, or ``"replace+max_wait"`` when ``debounce_max_wait``
+  capped the new call), or cancelled by ``on_duplicate="cancel_running"``
+  (queued: revoked; running: terminated). Sent under the displaced
+  message's own uuid, which no longer holds the key: Flower shows it as
+  ``REPLACED`` or ``CANCELLED`` with ``result`` naming the new call and the
+  policy. A cancelled body that still returns ends ``SUCCESS`` (a higher
+  state). With a deterministic task id the new message has the same uuid, so
+  the event is sent under a fresh uuid whose ``parent_id`` is that id.
+* ``task-deduplicated`` carries ``policy`` (a custom field; Flower shows the
+  ``result`` text, which names it): the call's ``on_duplicate``,
+  ``"on_key_reuse=warn"`` for a reused key answered as a duplicate,
+  ``"on_key_reuse=raise"`` for one refused with ``KeyReuseError`` (sent
+  under a fresh uuid, without arguments), ``"on_commit"`` for a Django
+  ``delay_on_commit`` call folded into an identical one of its transaction
+  (sent at commit, child of the message the transaction published).
+
+All of them are sent when ``dedup_send_events`` is on. Unset, it is on when the
 app's configuration turns Celery's task events on for Flower
 (``worker_send_task_events`` or ``task_send_sent_event``): a project whose
 settings make Flower show tasks shows its deduplicated calls too, without a
@@ -34,16 +54,17 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any, Final
 
+from celery.utils import uuid as gen_uuid
 from celery.utils.saferepr import saferepr
 
-from .signals import task_skipped
+from .signals import holder_cancelled, key_reused, lock_replaced, task_skipped
 
 if TYPE_CHECKING:
     from celery import Celery
 
-__all__ = ["DEFERRED_EVENT_TYPE", "EVENT_TYPE", "SKIPPED_EVENT_TYPE", "W_EVENTS_OFF",
-           "default_send_events", "dispatcher_hostname", "send_deduplicated", "send_skipped",
-           "warn_if_events_off"]
+__all__ = ["CANCELLED_EVENT_TYPE", "DEFERRED_EVENT_TYPE", "EVENT_TYPE", "REPLACED_EVENT_TYPE",
+           "SKIPPED_EVENT_TYPE", "W_EVENTS_OFF", "default_send_events", "dispatcher_hostname",
+           "send_deduplicated", "send_displaced", "send_skipped", "warn_if_events_off"]
 
 logger = logging.getLogger("celery_dedup")
 
@@ -55,6 +76,15 @@ SKIPPED_EVENT_TYPE: Final = "task-ignored"
 #: the event of a message a worker deferred (published again for later):
 #: Flower shows its state as ``DEFERRED`` until the copy's own events
 DEFERRED_EVENT_TYPE: Final = "task-deferred"
+
+#: Celery's event of a revoked task: a skipped message whose owner was revoked
+REVOKED_EVENT_TYPE: Final = "task-revoked"
+
+#: the event of a message ``on_duplicate="replace"`` displaced (Flower state ``REPLACED``)
+REPLACED_EVENT_TYPE: Final = "task-replaced"
+
+#: the event of a holder ``on_duplicate="cancel_running"`` cancelled (state ``CANCELLED``)
+CANCELLED_EVENT_TYPE: Final = "task-cancelled"
 
 
 W_EVENTS_OFF = (
@@ -93,30 +123,79 @@ def send_deduplicated(
     args: Any,
     kwargs: Any,
     root_id: str | None = None,
+    policy: str = "",
+    result: str | None = None,
 ) -> None:
     """Emit one ``task-deduplicated`` event for a suppressed call.
 
-    Costs two small broker publishes (the event, then ``worker-offline`` for
-    the dispatcher's hostname); failures are logged, never raised, since the
-    call itself has already been decided.
+    ``policy`` is what decided (see the module's docstring), ``result`` the
+    text Flower shows (default ``"suppressed: duplicate of <holder>"``, with
+    the policy when it is not a plain duplicate's). Costs two small broker
+    publishes (the event, then ``worker-offline`` for the dispatcher's
+    hostname); failures are logged, never raised, since the call itself has
+    already been decided.
     """
+    if result is None:
+        result = f"suppressed: duplicate of {holder_id}"
+        if policy.startswith("on_"):
+            result += f" ({policy})"
+    fields: dict[str, Any] = {"policy": policy} if policy else {}
+    if holder_id:
+        fields.update(parent_id=holder_id, root_id=root_id or holder_id)
+    _send_from_producer(
+        app,
+        EVENT_TYPE,
+        uuid=duplicate_id,
+        name=task_name,
+        args=saferepr(args or ()),
+        kwargs=saferepr(kwargs or {}),
+        received=time.time(),
+        result=result,
+        **fields,
+    )
+
+
+def send_displaced(
+    app: Celery,
+    event_type: str,
+    *,
+    task_name: str,
+    displaced_id: str,
+    new_id: str,
+    policy: str,
+    running: bool = False,
+) -> None:
+    """Emit one ``task-replaced``/``task-cancelled`` event for a message a policy displaced.
+
+    Under the displaced message's uuid, or a fresh one (child of ``new_id``)
+    when the new message has the same id. Two small broker publishes, as
+    ``send_deduplicated``; failures are logged, never raised.
+    """
+    if event_type == CANCELLED_EVENT_TYPE:
+        verb = "terminated" if running else "revoked"
+        result = f"cancelled ({verb}) by {new_id} ({policy})"
+    else:
+        result = f"replaced by {new_id} ({policy})"
+    fields: dict[str, Any] = {}
+    uuid = displaced_id
+    if displaced_id == new_id:
+        uuid = gen_uuid()
+        fields.update(parent_id=new_id, root_id=new_id)
+    _send_from_producer(
+        app, event_type, uuid=uuid, name=task_name, policy=policy, new_task_id=new_id,
+        running=running, result=result, **fields,
+    )
+
+
+def _send_from_producer(app: Celery, event_type: str, **fields: Any) -> None:
+    """Send one task event from the stable producer hostname, then withdraw its worker row."""
     try:
         with app.events.default_dispatcher(hostname=dispatcher_hostname()) as dispatcher:
-            dispatcher.send(
-                EVENT_TYPE,
-                uuid=duplicate_id,
-                name=task_name,
-                args=saferepr(args or ()),
-                kwargs=saferepr(kwargs or {}),
-                parent_id=holder_id,
-                root_id=root_id or holder_id,
-                received=time.time(),
-                result=f"suppressed: duplicate of {holder_id}",
-            )
+            dispatcher.send(event_type, **fields)
             # Not a worker: withdraw the heartbeat the task event just implied.
             dispatcher.send("worker-offline")
     except Exception:
-        logger.warning("celery-dedup: could not send a %s event", EVENT_TYPE, exc_info=True)
+        logger.warning("celery-dedup: could not send a %s event", event_type, exc_info=True)
 
 
 def send_skipped(
@@ -131,13 +210,22 @@ def send_skipped(
     """Emit one ``task-ignored`` event for a task the worker skipped.
 
     Sent under the skipped task's own id from the worker's hostname; failures
-    are logged, never raised. A deferred message (``reason`` ``"deferred: …"``)
-    is not skipped but put back for later: it gets a ``task-deferred`` event
-    instead, which Flower shows as state ``DEFERRED`` (never failed).
+    are logged, never raised. A revoked one (replaced, cancelled, revoked)
+    gets Celery's ``task-revoked`` instead: state ``REVOKED``. A deferred
+    message (``reason`` ``"deferred: …"``) is not skipped but put back for
+    later: it gets a ``task-deferred`` event instead, which Flower shows as
+    state ``DEFERRED`` (never failed).
     """
     deferred = reason.startswith("deferred")
     try:
         with app.events.default_dispatcher(hostname=hostname or dispatcher_hostname()) as d:
+            if reason == "revoked":
+                # Celery's own event, as for any revoke: state REVOKED (as the
+                # result backend says), ranked below the REPLACED or
+                # CANCELLED a policy's event set, so that stays visible.
+                d.send(REVOKED_EVENT_TYPE, uuid=task_id, name=task_name, terminated=False,
+                       signum=None, expired=False)
+                return
             d.send(
                 DEFERRED_EVENT_TYPE if deferred else SKIPPED_EVENT_TYPE,
                 uuid=task_id,
@@ -176,4 +264,71 @@ def _report_skip(
         hostname=getattr(sender.request, "hostname", None),
         existing_task_id=existing_task_id,
         reason=reason,
+    )
+
+
+def _producer_events_on(sender: Any) -> bool:
+    """Whether ``sender`` (a ``DedupTask``) reports its policies' actions as events."""
+    config = getattr(sender, "dedup_config", None)
+    return config is not None and bool(config().runtime.settings.send_events)
+
+
+@lock_replaced.connect(weak=False)
+def _report_replaced(
+    sender: Any = None,
+    task_id: str | None = None,
+    previous_task_id: str | None = None,
+    policy: str = "replace",
+    follow_up: bool = False,
+    **_: Any,
+) -> None:
+    """``lock_replaced`` receiver: a ``task-replaced`` event for the displaced message.
+
+    None for a ``keep_last`` follow-up: the holder it follows runs on to its end.
+    """
+    if task_id and previous_task_id and not follow_up and _producer_events_on(sender):
+        send_displaced(
+            sender.app, REPLACED_EVENT_TYPE, task_name=sender.name,
+            displaced_id=previous_task_id, new_id=task_id, policy=policy,
+        )
+
+
+@holder_cancelled.connect(weak=False)
+def _report_cancelled(
+    sender: Any = None,
+    task_id: str | None = None,
+    cancelled_task_id: str | None = None,
+    running: bool = False,
+    policy: str = "cancel_running",
+    **_: Any,
+) -> None:
+    """``holder_cancelled`` receiver: a ``task-cancelled`` event for the cancelled holder."""
+    if task_id and cancelled_task_id and _producer_events_on(sender):
+        send_displaced(
+            sender.app, CANCELLED_EVENT_TYPE, task_name=sender.name,
+            displaced_id=cancelled_task_id, new_id=task_id, policy=policy, running=running,
+        )
+
+
+@key_reused.connect(weak=False)
+def _report_refused_reuse(
+    sender: Any = None, existing_task_id: str = "", action: str = "", **_: Any
+) -> None:
+    """``key_reused`` receiver: a call refused with ``KeyReuseError`` gets its row.
+
+    (A reused key answered as a duplicate, ``"warn"``, is reported by its
+    ``task-deduplicated`` event, whose policy says so.)
+    """
+    if action != "raise" or not _producer_events_on(sender):
+        return
+    holder = existing_task_id or "a call pending in this transaction"
+    send_deduplicated(
+        sender.app,
+        task_name=sender.name,
+        duplicate_id=gen_uuid(),
+        holder_id=existing_task_id,
+        args=None,
+        kwargs=None,
+        policy="on_key_reuse=raise",
+        result=f"refused: key of {holder} reused with different arguments (on_key_reuse=raise)",
     )

@@ -719,9 +719,14 @@ class DedupTask(_Task):
             or options.get("group_index")
         ):
             return mark_result(publish(task_id, NO_LOCK), key)
+        policy = call.on_duplicate.value
         if key_reuse.conflicts(owner, holder):
             key_reuse.report(self, call.on_key_reuse, key, holder.task_id, holder.ttl)
-        return self._duplicate(call, key, holder, task_id, args, kwargs, options, canvas=canvas)
+            if call.on_key_reuse is not OnKeyReuse.IGNORE:
+                policy = f"on_key_reuse={call.on_key_reuse.value}"
+        return self._duplicate(
+            call, key, holder, task_id, args, kwargs, options, canvas=canvas, policy=policy
+        )
 
     def _owner_token(
         self,
@@ -921,8 +926,13 @@ class DedupTask(_Task):
         options: Mapping[str, Any],
         *,
         canvas: bool = False,
+        policy: str = "",
     ) -> DeduplicatedResult:
-        """Report a suppressed call, then return the holder's result or raise."""
+        """Report a suppressed call, then return the holder's result or raise.
+
+        ``policy`` (what decided: the call's ``on_duplicate``, or
+        ``on_key_reuse=warn``) goes into its ``task-deduplicated`` event.
+        """
         runtime = self.dedup_config().runtime
         if duplicate_id == holder.task_id:
             duplicate_id = uuid()  # a deterministic id: the event needs its own uuid
@@ -951,6 +961,7 @@ class DedupTask(_Task):
                 holder_id=holder.task_id,
                 args=args,
                 kwargs=kwargs,
+                policy=policy or call.on_duplicate.value,
             )
         raises = canvas or call.on_duplicate is OnDuplicate.RAISE
         if raises and not self._must_not_raise(options):

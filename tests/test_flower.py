@@ -22,6 +22,8 @@ pytestmark = [pytest.mark.flower, pytest.mark.redis, pytest.mark.slow]
 
 WORKER = "flower-test@127.0.0.1"
 N_DUPLICATES = 3
+#: the Flower state of a message each policy displaced
+STATE = {"replace": "REPLACED", "cancel_running": "CANCELLED"}
 
 
 @pytest.fixture
@@ -176,3 +178,34 @@ def test_no_phantom_online_worker(app: Celery, worker: Any, flower: FlowerServer
     assert status.get(dispatcher_hostname()) is False  # offline, never online
     real = flower.get_json("/api/workers?refresh=1")
     assert set(real) == {WORKER}
+
+
+@pytest.mark.parametrize("policy", ["replace", "cancel_running"])
+def test_displaced_message_shows_the_policy(
+    app: Celery, flower: FlowerServer, request: pytest.FixtureRequest, policy: str
+) -> None:
+    """A queued message replaced or cancelled by a policy shows REPLACED/CANCELLED, with the
+    policy in its result, and keeps that state once the worker reached and revoked it."""
+
+    @app.task(base=DedupTask, shared=False, name=f"demo.{policy}", unique_for=600,
+              on_duplicate=policy)
+    def displaced(n: int) -> int:
+        return n
+
+    request.getfixturevalue("worker")  # started once the task is registered
+    counted_before = events_counted(flower, displaced.name, f"task-{STATE[policy].lower()}")
+    first = displaced.apply_async((1,), countdown=2)
+    second = displaced.apply_async((1,), countdown=2)
+    assert second.get(timeout=30) == 1
+
+    def revoked_by_the_worker() -> dict[str, Any] | None:
+        info = flower.task(first.id)
+        return info if info and info.get("revoked") else None
+
+    info = flower.wait_for(revoked_by_the_worker, what="the displaced message's task-revoked")
+    assert info["state"] == STATE[policy]
+    verb = "replaced" if policy == "replace" else "cancelled (revoked)"
+    assert info["result"] == f"{verb} by {second.id} ({policy})"
+    assert flower.wait_for(lambda: (flower.task(second.id) or {}).get("state") == "SUCCESS")
+    counted = events_counted(flower, displaced.name, f"task-{STATE[policy].lower()}")
+    assert counted - counted_before == 1

@@ -348,6 +348,18 @@ class DjangoStore:
         row = self._run(lambda q: q.take_over(key, owner, token, ttl, meta))
         return self._lock(row) if row is not None and row.live else None
 
+    def take_over_queued(
+        self, key: str, owner: str, ttl: float, meta: LockMeta
+    ) -> Lock | None:
+        """``take_over`` unless a started holder holds the key (``QueuedTakeOver``).
+
+        The same transaction as ``take_over``; a started holder is returned
+        and keeps the key.
+        """
+        token = uuid.uuid4().hex
+        row = self._run(lambda q: q.take_over_queued(key, owner, token, ttl, meta))
+        return self._lock(row) if row is not None and row.live else None
+
     def claim(
         self, key: str, owner: str, *, release: bool, ttl: float | None, meta: LockMeta
     ) -> Claim:

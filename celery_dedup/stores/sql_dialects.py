@@ -56,7 +56,14 @@ from sqlalchemy.exc import (
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.dml import Insert
-from sqlalchemy.sql.expression import ColumnElement, Executable, ReturnsRows, Select, bindparam
+from sqlalchemy.sql.expression import (
+    ColumnElement,
+    CompoundSelect,
+    Executable,
+    ReturnsRows,
+    Select,
+    bindparam,
+)
 
 from ..exceptions import ImproperlyConfigured, StoreContention
 from . import E_MISSING_DRIVER
@@ -454,6 +461,10 @@ class _Dialect:
         """Become the holder; the previous row (live or not), or ``None``."""
         raise NotImplementedError
 
+    def take_over_queued(self, run: _Runner, params: dict[str, Any]) -> Any:
+        """``take_over`` unless a live started holder holds the key (returned, nothing written)."""
+        raise NotImplementedError
+
     def claim(self, run: _Runner, params: dict[str, Any]) -> tuple[ClaimOutcome, Any]:
         """The start check; the outcome and, for ``HELD``, the holder's row."""
         raise NotImplementedError
@@ -541,6 +552,7 @@ class _Postgres(_Dialect):
                 select(false(), inserted.c.owner, *blanks, self.now)
             )
         )
+        self.take_over_queued_stmt = self.render(self._take_over_queued_statement(values, new))
 
         self.claim_stmt = self.render(self._claim_statement(values, new))
         self.revoke_stmt = self.render(self._revoke_statement())
@@ -561,6 +573,42 @@ class _Postgres(_Dialect):
                 self.live,
             )
             .values(expires_at=self.now + bindparam("b_lease", type_=Double()))
+        )
+
+    def _take_over_queued_statement(
+        self, values: dict[str, Any], new: dict[str, Any]
+    ) -> CompoundSelect[Any]:
+        """As ``take_over_stmt``, but a live started holder keeps the key (and is returned).
+
+        The locking read is a CTE, read once by the three branches: the row
+        as it is after waiting for a concurrent writer (a claim that started
+        the holder meanwhile), so the started test sees what the update
+        would overwrite.
+        """
+        old = select(lock_table).where(self.at_key).with_for_update().cte("old")
+        queued = or_(~old.c.started, old.c.expires_at <= self.now)
+        previous = [old.c[c.name] for c in _LOCK_COLUMNS]
+        taken = (
+            update(lock_table)
+            .where(_L.key == old.c.key, queued)
+            .values(new)
+            .returning(*previous)
+            .cte("taken")
+        )
+        inserted = (
+            postgresql.insert(lock_table)
+            .from_select(
+                list(values),
+                select(*values.values()).where(~exists(select(old.c.key))),
+            )
+            .on_conflict_do_nothing(index_elements=[_L.key])
+            .returning(_L.owner)
+            .cte("inserted")
+        )
+        blanks = [null()] * (len(_LOCK_COLUMNS) - 1)
+        return select(true().label("replaced"), *taken.c, self.now.label("now")).union_all(
+            select(true(), *previous, self.now).where(~queued),
+            select(false(), inserted.c.owner, *blanks, self.now),
         )
 
     def _run_upsert(self, where: ColumnElement[bool] | None) -> Insert:
@@ -687,8 +735,15 @@ class _Postgres(_Dialect):
         raise _contention(params["b_key"])
 
     def take_over(self, run: _Runner, params: dict[str, Any]) -> Any:
+        return self._take_over(run, self.take_over_stmt, params)
+
+    def take_over_queued(self, run: _Runner, params: dict[str, Any]) -> Any:
+        return self._take_over(run, self.take_over_queued_stmt, params)
+
+    @staticmethod
+    def _take_over(run: _Runner, statement: _Statement, params: dict[str, Any]) -> Any:
         for _ in range(_RACE_RETRIES):
-            row = run(self.take_over_stmt, params).first()
+            row = run(statement, params).first()
             if row is None:
                 # Inserted by another writer after our snapshot: run again.
                 continue
@@ -859,6 +914,16 @@ class _Transactional(_Dialect):
             row = self.hold(run, params)
             if row.token == params["b_token"]:
                 return None
+            run(self.replace, params)
+            return row
+
+    def take_over_queued(self, run: _Runner, params: dict[str, Any]) -> Any:
+        with _transaction(run, self.begin):
+            row = self.hold(run, params)
+            if row.token == params["b_token"]:
+                return None
+            if row.started and row.expires_at > row.now:
+                return row  # running: it keeps the key
             run(self.replace, params)
             return row
 

@@ -1,16 +1,20 @@
-"""One Redis round trip per acquire, per duplicate and per release."""
+"""One store round trip per acquire, per duplicate and per release (Redis; PostgreSQL)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import redis
 from celery import Celery
+from sqlalchemy import event
 
 from celery_dedup import DedupTask
 from celery_dedup.runtime import runtime_for
 from celery_dedup.stores.redis import RedisStore
+from celery_dedup.stores.sql import SQLStore
+from tests.fixtures._store_case import StoreCase
 from tests.fixtures.redis import RedisServer
 
 
@@ -153,4 +157,45 @@ def test_keep_last_round_trips(redis_server: RedisServer) -> None:
         assert measure(client, lambda: runs.delay(3).get(timeout=30)) == 1 + 4
     client.close()
     for app in apps:
+        app.close()
+
+
+@pytest.mark.postgres
+def test_cancel_running_round_trips_on_postgres(store_postgres: StoreCase) -> None:
+    """On PostgreSQL (autocommit: one statement sent is one round trip) cancel_running costs
+    what it costs on Redis: 1 statement on a free key, 2 over a queued holder (the
+    take-over of the queued holder + its revoke marker), as replace."""
+    store = store_postgres.store
+    assert isinstance(store, SQLStore)
+    app = Celery("rt-pg", broker="memory://", backend="cache+memory://", set_as_current=False)
+    app.conf.update(dedup_metrics_flush_interval=3600)
+    runtime_for(app).use_store(store)
+
+    @app.task(base=DedupTask, shared=False, unique_for=30, on_duplicate="cancel_running")
+    def cancel(x: int) -> int:
+        return x
+
+    @app.task(base=DedupTask, shared=False, unique_for=30, on_duplicate="replace")
+    def replace(x: int) -> int:
+        return x
+
+    sent: list[str] = []
+
+    def count(action: Callable[[], Any]) -> int:
+        sent.clear()
+        action()
+        return len(sent)
+
+    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        sent.append(statement)
+
+    cancel.delay(0)  # tables checked, the first expired rows reaped
+    event.listen(store.engine, "before_cursor_execute", record)
+    try:
+        assert count(lambda: cancel.delay(1)) == 1, sent
+        assert count(lambda: cancel.delay(1)) == 2, sent  # take_over_queued, revoke
+        assert count(lambda: replace.delay(1)) == 1, sent
+        assert count(lambda: replace.delay(1)) == 2, sent  # take_over, revoke
+    finally:
+        event.remove(store.engine, "before_cursor_execute", record)
         app.close()

@@ -24,6 +24,7 @@ from celery_dedup.stores.base import Lock
 from celery_dedup.stores.django import DjangoStore
 from tests.django.conftest import PG_ALIAS
 from tests.django.test_django_store import flush_all
+from tests.fixtures._events import Recorder
 
 NAME = "tests.django.coalesced"
 
@@ -244,3 +245,39 @@ def test_outside_a_transaction_each_call_publishes_at_once(
     coalesced.apply_async_on_commit((9,), using=PG_ALIAS)
     assert len(published.ids) == 1
     assert [lock.task_name for lock in _locks(pg_store)] == [NAME]
+
+
+def test_folded_calls_are_reported_on_commit(
+    pg_store: DjangoStore, celery_app: Any, coalesced: Any, published: Published
+) -> None:
+    """With events on, each folded call that survived gets a task-deduplicated event naming
+    on_commit, sent at commit as a child of the one message; a call folded inside a
+    rolled-back savepoint gets none (a real receiver on the broker)."""
+    with override_settings(CELERY_DEDUP_SEND_EVENTS=True):
+        reset_runtime(celery_app)
+        coalesced._dedup_config = None
+        recorder = Recorder(celery_app)
+        try:
+            with _worker(celery_app):
+                with transaction.atomic(using=PG_ALIAS):
+                    coalesced.apply_async_on_commit((12,), using=PG_ALIAS)
+                    with pytest.raises(Rollback), transaction.atomic(using=PG_ALIAS):
+                        coalesced.apply_async_on_commit((12,), using=PG_ALIAS)
+                        raise Rollback
+                    coalesced.apply_async_on_commit((12,), using=PG_ALIAS)
+                    coalesced.apply_async_on_commit((12,), using=PG_ALIAS)
+                    assert recorder.of("task-deduplicated") == []
+                assert len(published.ids) == 1
+                _wait_until(lambda: _runs("n=12") == 1)
+                folded = recorder.of("task-deduplicated")
+        finally:
+            recorder.close()
+    reset_runtime(celery_app)
+    coalesced._dedup_config = None
+    (message,) = published.ids
+    assert [(e["policy"], e["parent_id"], e["args"]) for e in folded] == [
+        ("on_commit", message, "(12,)"),
+        ("on_commit", message, "(12,)"),
+    ]
+    assert folded[0]["result"] == f"coalesced on commit into {message} (on_commit)"
+    assert len({e["uuid"] for e in folded} | {message}) == 3

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing
 import queue
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -40,6 +41,11 @@ OTHER_META = {"task_name": "tests.other", "policy": "finish", "task_id": "id-b"}
 
 RACE_WORKERS = 8
 RACE_KEYS = [f"race:{i:03d}" for i in range(200)]
+TQ_RACE_KEYS = [f"tq-race:{i:03d}" for i in range(60)]
+
+#: Stores without ``QueuedTakeOver`` (the generic caches: cancel_running
+#: revokes, then acquires there); every other store must have it.
+WITHOUT_QUEUED_TAKE_OVER = frozenset({"memcached", "cache", "django-cache"})
 
 
 def wait_until_gone(store: LockStore, key: str, timeout: float = 4.0) -> float:
@@ -211,16 +217,65 @@ class StoreContract:
         holder is returned and keeps the key (stores without it: the three-trip fallback)."""
         store = store_case.store
         if not isinstance(store, QueuedTakeOver):
-            return  # cancel_running revokes, then acquires (tested through the policy)
+            # cancel_running revokes, then acquires (tested through the policy)
+            assert store.name in WITHOUT_QUEUED_TAKE_OVER, store.name
+            return
         assert store.take_over_queued("k:tq", "owner-a", 30, META) is None
         previous = store.take_over_queued("k:tq", "owner-b", 30, OTHER_META)
         assert previous is not None and previous.owner == "owner-a" and not previous.started
+        assert (previous.task_id, previous.task_name) == ("id-a", "tests.add")
+        lock = store.get("k:tq")
+        assert lock is not None and (lock.owner, lock.task_id) == ("owner-b", "id-b")
+        assert not lock.started and 25 < lock.ttl <= 30.001
         claim = store.claim("k:tq", "owner-b", release=False, ttl=None, meta=OTHER_META)
         assert claim.outcome is ClaimOutcome.OWNED
         running = store.take_over_queued("k:tq", "owner-c", 30, META)
         assert running is not None and running.owner == "owner-b" and running.started
         lock = store.get("k:tq")
         assert lock is not None and lock.owner == "owner-b" and lock.started
+        assert store.release("k:tq", "owner-c") is False
+
+    def test_take_over_queued_takes_an_expired_started_holder(
+        self, store_case: StoreCase
+    ) -> None:
+        """A started holder past its TTL no longer holds the key: take_over_queued takes it."""
+        store = store_case.store
+        if not isinstance(store, QueuedTakeOver):
+            assert store.name in WITHOUT_QUEUED_TAKE_OVER, store.name
+            return
+        assert store.acquire("k:tqx", "owner-a", 1, {**META, "started": "1"}) is None
+        wait_until_gone(store, "k:tqx")
+        assert store.take_over_queued("k:tqx", "owner-b", 30, OTHER_META) is None
+        lock = store.get("k:tqx")
+        assert lock is not None and lock.owner == "owner-b" and not lock.started
+
+    def test_take_over_queued_racing_the_start_check(self, store_case: StoreCase) -> None:
+        """A take-over of a queued holder racing that holder's start check: exactly one wins.
+
+        Either the holder started first (its claim is OWNED, the take-over
+        returns it started and writes nothing) or the take-over came first
+        (the claim finds the new holder): never a started holder whose key
+        was taken, the double run ``cancel_running`` must never cause.
+        """
+        store = store_case.store
+        if not isinstance(store, QueuedTakeOver):
+            assert store.name in WITHOUT_QUEUED_TAKE_OVER, store.name
+            return
+        for key in TQ_RACE_KEYS:
+            assert store.acquire(key, f"q-{key}", 60, META) is None
+        claims, taken = _start_race(store_case)
+        started = {key for key, outcome in claims.items() if outcome == "owned"}
+        assert set(claims) == set(taken) == set(TQ_RACE_KEYS)
+        for key in TQ_RACE_KEYS:
+            lock = store.get(key)
+            assert lock is not None
+            if key in started:
+                assert taken[key] == (f"q-{key}", True), key
+                assert (lock.owner, lock.started) == (f"q-{key}", True), key
+            else:
+                assert claims[key] == "held", (key, claims[key])
+                assert taken[key] == (f"q-{key}", False), key
+                assert (lock.owner, lock.started) == (f"t-{key}", False), key
 
     def test_scan_lists_only_the_prefix(self, store_case: StoreCase) -> None:
         """scan(prefix) yields every live lock under the prefix and nothing else."""
@@ -605,6 +660,95 @@ class StoreContract:
             assert all(saw[key] == winner for saw in seen.values()), key
             lock = store_case.store.get(key)
             assert lock is not None and lock.owner == winner
+
+
+def _stagger() -> None:
+    """A random head start of up to 2 ms, so either side of the race wins some keys.
+
+    (Only the mix of outcomes depends on it; the test's assertions hold for any.)
+    """
+    time.sleep(random.uniform(0, 0.002))
+
+
+def _claim_all(store: LockStore, start: Callable[[], Any]) -> dict[str, Any]:
+    """Start-check every queued holder of the take-over race: key → the outcome.
+
+    ``start`` (a barrier shared with the taker) before each key: both sides
+    send their command for the same key together.
+    """
+    seen: dict[str, Any] = {}
+    for key in TQ_RACE_KEYS:
+        start()
+        _stagger()
+        claim = store.claim(key, f"q-{key}", release=False, ttl=None, meta=META)
+        seen[key] = claim.outcome.value
+    return seen
+
+
+def _take_all(store: LockStore, start: Callable[[], Any]) -> dict[str, Any]:
+    """Take every key of the take-over race: key → (previous owner, whether it had started)."""
+    assert isinstance(store, QueuedTakeOver)
+    seen: dict[str, Any] = {}
+    for key in TQ_RACE_KEYS:
+        start()
+        _stagger()
+        previous = store.take_over_queued(key, f"t-{key}", 60, OTHER_META)
+        seen[key] = None if previous is None else (previous.owner, previous.started)
+    return seen
+
+
+_RACERS = {"claim": _claim_all, "take": _take_all}
+
+
+def _start_race_process(url: str, role: str, barrier: Any, results: Any) -> None:
+    try:
+        store = store_from_url(url)
+        results.put((role, _RACERS[role](store, barrier.wait)))
+    except BaseException as exc:
+        results.put((role, repr(exc)))
+        raise
+
+
+def _start_race(case: StoreCase) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The start checks and the take-overs of ``TQ_RACE_KEYS``, in two processes
+    (threads for an in-process store), from one barrier."""
+    seen: dict[str, Any] = {}
+    if case.shared_across_processes:
+        context = multiprocessing.get_context("fork")
+        barrier: Any = context.Barrier(2)
+        results: Any = context.Queue()
+        procs = [
+            context.Process(target=_start_race_process, args=(case.url, role, barrier, results))
+            for role in _RACERS
+        ]
+        for proc in procs:
+            proc.start()
+        try:
+            for _ in procs:
+                role, saw = results.get(timeout=120)
+                assert isinstance(saw, dict), f"{role} failed: {saw}"
+                seen[role] = saw
+        finally:
+            for proc in procs:
+                proc.join(30)
+            results.close()
+            results.join_thread()
+        assert [proc.exitcode for proc in procs] == [0, 0]
+    else:
+        thread_barrier = threading.Barrier(2)
+        threads = [
+            threading.Thread(
+                target=lambda role=role: seen.update(
+                    {role: _RACERS[role](case.store, thread_barrier.wait)}
+                )
+            )
+            for role in _RACERS
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    return seen["claim"], seen["take"]
 
 
 def _race_in_processes(url: str) -> dict[str, dict[str, str]]:

@@ -211,7 +211,8 @@ def test_one_statement_per_operation(sql_store: SQLStore, recorded: Recorder) ->
 def test_every_operation_is_one_statement_on_postgres(
     store_postgres: StoreCase, recorded: Recorder
 ) -> None:
-    """On PostgreSQL every start-check outcome, revoke and take-over is one statement."""
+    """On PostgreSQL every start-check outcome, revoke and take-over (of a queued holder
+    too, taken or left to a started one) is one statement."""
     store = store_postgres.store
     assert isinstance(store, SQLStore)
     assert store.acquire("held", "owner-a", 30, META) is None
@@ -228,6 +229,11 @@ def test_every_operation_is_one_statement_on_postgres(
          ClaimOutcome.REVOKED),
         (lambda: store.take_over("held", "owner-c", 30, META) is not None, True),
         (lambda: store.take_over("new", "owner-c", 30, META) is None, True),
+        (lambda: store.take_over_queued("held", "owner-d", 30, META).owner, "owner-c"),
+        (lambda: store.take_over_queued("queued-new", "owner-d", 30, META), None),
+        (lambda: store.claim("held", "owner-d", release=False, ttl=None, meta=META).outcome,
+         ClaimOutcome.OWNED),
+        (lambda: store.take_over_queued("held", "owner-e", 30, META).started, True),
     ]
     for operation, expected in operations:
         with recorded(store) as sent:
@@ -263,6 +269,20 @@ def test_transaction_shapes(sql_store: SQLStore, recorded: Recorder) -> None:
     ]
     begin = shape(lambda: sql_store.take_over("new", "owner-b", 30, META))[0]
     assert shape(lambda: sql_store.take_over("new2", "owner-b", 30, META)) == [
+        begin, "INSERT", *read, "COMMIT",
+    ]
+    # take_over_queued: the same transaction; a started holder is only read.
+    assert sql_store.acquire("kq", "owner-a", 30, META) is None
+    assert shape(lambda: sql_store.take_over_queued("kq", "owner-d", 30, META)) == [
+        begin, "INSERT", *read, "UPDATE", "COMMIT",
+    ]
+    assert shape(lambda: sql_store.take_over_queued("new3", "owner-d", 30, META)) == [
+        begin, "INSERT", *read, "COMMIT",
+    ]
+    assert sql_store.claim("kq", "owner-d", release=False, ttl=None, meta=META).outcome is (
+        ClaimOutcome.OWNED
+    )
+    assert shape(lambda: sql_store.take_over_queued("kq", "owner-e", 30, META)) == [
         begin, "INSERT", *read, "COMMIT",
     ]
     # A start check by another owner: the one-statement try, then a

@@ -14,10 +14,11 @@ session), so producers on several hosts agree on expiry.
   the holder is this call.
 - ``claim`` in the common case (the owner holds the key and is not revoked)
   is one ``UPDATE``/``DELETE`` guarded by ``NOT EXISTS`` the revoked marker.
-- ``take_over``, ``revoke`` and ``claim``'s other outcomes are a short
-  transaction: read the lock and marker rows with ``SELECT … FOR UPDATE``,
-  then write. A concurrent first insert loses with a duplicate-key error and
-  the store runs the operation again (``is_contention``).
+- ``take_over`` (and ``take_over_queued``), ``revoke`` and ``claim``'s
+  other outcomes are a short transaction: read the lock and marker rows with
+  ``SELECT … FOR UPDATE``, then write. A concurrent first insert loses
+  with a duplicate-key error and the store runs the operation again
+  (``is_contention``).
 - ``release``, ``extend``, ``settle``, ``unrevoke``, ``get``, ``scan`` are one
   statement.
 """
@@ -338,6 +339,17 @@ class LockQueries:
         with self.transaction() as cursor:
             previous = self._rows(cursor, key).get(key)
             self._put(cursor, previous is not None, given, ttl)
+        return previous
+
+    def take_over_queued(
+        self, key: str, owner: str, token: str, ttl: float, meta: Mapping[str, str]
+    ) -> LockRow | None:
+        """``take_over`` unless a live started holder holds the key (returned, nothing written)."""
+        given = self._given(key, owner, token, meta, started=meta.get("started") == "1")
+        with self.transaction() as cursor:
+            previous = self._rows(cursor, key).get(key)
+            if previous is None or not (previous.live and previous.started):
+                self._put(cursor, previous is not None, given, ttl)
         return previous
 
     def claim_owned(self, key: str, owner: str, marker: str, *, release: bool) -> bool:

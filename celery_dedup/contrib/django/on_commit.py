@@ -34,12 +34,17 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
+from celery.utils import uuid
 from django.db import transaction
 
+from ... import events
 from ...key_reuse import differ, fingerprint, report
 from ...options import OnDuplicate, ResolvedOptions, pop_call_options
 
 __all__ = ["on_commit"]
+
+#: the policy a folded call's ``task-deduplicated`` event names
+POLICY: Final = "on_commit"
 
 #: the attribute of a connection holding ``[hook list, its length, {key: pending call}]``
 _INDEX: Final = "_celery_dedup_on_commit"
@@ -48,7 +53,7 @@ _INDEX: Final = "_celery_dedup_on_commit"
 class _Pending:
     """One registered ``on_commit`` hook: the call that publishes for its key."""
 
-    __slots__ = ("args", "fingerprint", "key", "kwargs", "options", "task")
+    __slots__ = ("args", "fingerprint", "key", "kwargs", "options", "result", "task")
 
     def __init__(
         self,
@@ -65,9 +70,11 @@ class _Pending:
         self.args = args
         self.kwargs = kwargs
         self.options = options
+        #: what the commit's ``apply_async`` returned (the folded calls' events name it)
+        self.result: Any = None
 
     def __call__(self) -> None:
-        self.task.apply_async(self.args, self.kwargs, **self.options)
+        self.result = self.task.apply_async(self.args, self.kwargs, **self.options)
 
 
 def on_commit(
@@ -108,10 +115,10 @@ def on_commit(
         if call.on_duplicate is not OnDuplicate.REPLACE:
             if call.deduplication_key is not None and differ(mine, pending.fingerprint):
                 report(task, call.on_key_reuse, key, "", None)
-            _fold(task)
+            _fold(task, connection, pending, args, kwargs)
             return
         if mine is not None and mine == pending.fingerprint:
-            _fold(task)
+            _fold(task, connection, pending, args, kwargs)
             return
     hook = _Pending(task, key, mine, args, kwargs, dict(options))
     connection.on_commit(hook)
@@ -119,8 +126,41 @@ def on_commit(
     _remember(connection, index)
 
 
-def _fold(task: Any) -> None:
-    task.dedup_config().runtime.metrics.incr(task.name, "coalesced")
+def _fold(
+    task: Any,
+    connection: Any,
+    pending: _Pending,
+    args: Sequence[Any] | None,
+    kwargs: Mapping[str, Any] | None,
+) -> None:
+    runtime = task.dedup_config().runtime
+    runtime.metrics.incr(task.name, "coalesced")
+    if runtime.settings.send_events:
+        # A hook of its own, after the pending one: Django drops it with the
+        # folded call when the savepoint it was made in rolls back.
+        connection.on_commit(lambda: _report_fold(task, pending, args, kwargs))
+
+
+def _report_fold(
+    task: Any,
+    pending: _Pending,
+    args: Sequence[Any] | None,
+    kwargs: Mapping[str, Any] | None,
+) -> None:
+    """The folded call's ``task-deduplicated`` event, once its transaction committed."""
+    holder = getattr(pending.result, "id", None)
+    if holder is None:
+        return
+    events.send_deduplicated(
+        task.app,
+        task_name=task.name,
+        duplicate_id=uuid(),
+        holder_id=str(holder),
+        args=args,
+        kwargs=kwargs,
+        policy=POLICY,
+        result=f"coalesced on commit into {holder} ({POLICY})",
+    )
 
 
 def _index(connection: Any) -> dict[str, _Pending]:
