@@ -46,6 +46,12 @@ SAMPLES: dict[type[BaseException], Callable[[], BaseException]] = {
     core.CancelOwnRunError: lambda: core.CancelOwnRunError(
         task_name="t.sync", key="celery-dedup:t.sync:ab", task_id="id-1"
     ),
+    core.RateLimited: lambda: core.RateLimited(
+        task_name="t.sync", key="celery-dedup:t.sync:ab", retry_after=1.5, existing_task_id="id-1"
+    ),
+    core.LimitsNotSupported: lambda: core.LimitsNotSupported(
+        task_name="t.sync", option="concurrency_limit", store="memcached"
+    ),
     core.DeduplicationUnavailable: lambda: core.DeduplicationUnavailable(
         "store down", task_name="t.sync", reason="unavailable"
     ),
