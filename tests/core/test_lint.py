@@ -47,6 +47,14 @@ def _body() -> None:
     """A task body: the lint never runs it."""
 
 
+def _own_tasks_only(sender: Celery, **_: Any) -> None:
+    """Tasks other test modules define with Celery's default ``shared=True`` join
+    every app when it is finalized: drop them, so only this module's are linted."""
+    for name, task in list(sender.tasks.items()):
+        if task.__module__.startswith("tests.") and task.__module__ != __name__:
+            del sender.tasks[name]
+
+
 def build(store: str, tasks: dict[str, dict[str, Any]], broker: str = "memory://",
           reaper: bool = False, **conf: Any) -> Make:
     """A factory of fresh apps with these ``DedupTask``s (each entry point gets its own)."""
@@ -61,6 +69,7 @@ def build(store: str, tasks: dict[str, dict[str, Any]], broker: str = "memory://
             app.task(base=DedupTask, name=name, shared=False, **options)(_body)
         if reaper:
             register_reaper(app)
+        app.on_after_finalize.connect(_own_tasks_only, weak=False)
         return app
 
     return make
