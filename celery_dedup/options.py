@@ -86,11 +86,11 @@ class OnDuplicate(str, Enum):
     RAISE = "raise"
     #: debounce: take the lock over, publish, revoke the old holder
     REPLACE = "replace"
-    #: revoke the queued holder or terminate the running one, wait for the key, publish
-    CANCEL_RUNNING = "cancel_running"
     #: one run in progress plus one queued follow-up carrying the latest
     #: call's arguments (``coalesce``)
     KEEP_LAST = "keep_last"
+    #: revoke the queued holder or terminate the running one, wait for the key, publish
+    CANCEL_RUNNING = "cancel_running"
 
 
 class Fallback(str, Enum):

@@ -23,6 +23,7 @@ from celery_dedup.runtime import runtime_for
 from celery_dedup.startup import probe_store, task_plans, warn_plain_task_options
 from tests.apps import cli_app
 from tests.apps.cli_app import SLOW, SYNC, make_app
+from tests.apps.isolation import own_tasks_only
 from tests.fixtures._servers import free_port
 from tests.fixtures.logs import DedupLog
 from tests.fixtures.memcached import MemcachedServer
@@ -158,7 +159,7 @@ def test_check_fails_on_an_unreachable_store(dead_app: Celery) -> None:
 
 def test_check_passes_and_lists_each_task(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a working store ``check`` exits 0 and prints each task's policy, TTL and identity."""
-    app = make_app("memory://", "cache+memory://", "memory://")
+    app = own_tasks_only(make_app("memory://", "cache+memory://", "memory://"), cli_app.__name__)
     monkeypatch.setattr(cli_app, "app", app)
     result = CliRunner().invoke(celery, ["-A", "tests.apps.cli_app:app", "dedup", "check"])
     assert result.exit_code == 0, result.output
@@ -167,7 +168,6 @@ def test_check_passes_and_lists_each_task(monkeypatch: pytest.MonkeyPatch) -> No
                for line in lines), result.output
     assert "deduplication is working" in result.output
     plans = {plan.name: plan for plan in task_plans(app)}
-    # (Tasks other test modules define with Celery's default ``shared=True`` join every app.)
     assert {SLOW, SYNC} <= set(plans) and plans[SYNC].unique_for == 600
 
 

@@ -12,6 +12,7 @@ from click.testing import CliRunner
 from celery_dedup.compat.celery_once import QueueOnce
 from celery_dedup.compat.celery_singleton import Singleton
 from tests.apps import cli_app
+from tests.apps.isolation import own_tasks_only
 from tests.compat.conftest import AppFactory
 
 pytestmark = pytest.mark.redis
@@ -41,7 +42,8 @@ def test_list_and_check_use_the_shims_lock_store(
         base, options = Singleton, {}
     producer = make_app(**conf)
     held = _define(producer, base, **options).delay(7)
-    cli_side = make_app(**conf)  # what `celery -A proj` builds: tasks not bound yet
+    # what `celery -A proj` builds: tasks not bound yet
+    cli_side = own_tasks_only(make_app(**conf), __name__)
     _define(cli_side, base, **options)
     monkeypatch.setattr(cli_app, "app", cli_side)
 

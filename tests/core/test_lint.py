@@ -31,6 +31,7 @@ from celery_dedup.lint_calls import DedupLintWarning
 from celery_dedup.reaper import register_reaper
 from celery_dedup.runtime import runtime_for
 from tests.apps import cli_app
+from tests.apps.isolation import own_tasks_only
 from tests.core.conftest import wait_until
 from tests.fixtures.logs import DedupLog
 from tests.fixtures.memcached import MemcachedServer
@@ -47,14 +48,6 @@ def _body() -> None:
     """A task body: the lint never runs it."""
 
 
-def _own_tasks_only(sender: Celery, **_: Any) -> None:
-    """Tasks other test modules define with Celery's default ``shared=True`` join
-    every app when it is finalized: drop them, so only this module's are linted."""
-    for name, task in list(sender.tasks.items()):
-        if task.__module__.startswith("tests.") and task.__module__ != __name__:
-            del sender.tasks[name]
-
-
 def build(store: str, tasks: dict[str, dict[str, Any]], broker: str = "memory://",
           reaper: bool = False, **conf: Any) -> Make:
     """A factory of fresh apps with these ``DedupTask``s (each entry point gets its own)."""
@@ -69,7 +62,7 @@ def build(store: str, tasks: dict[str, dict[str, Any]], broker: str = "memory://
             app.task(base=DedupTask, name=name, shared=False, **options)(_body)
         if reaper:
             register_reaper(app)
-        app.on_after_finalize.connect(_own_tasks_only, weak=False)
+        own_tasks_only(app, __name__)
         return app
 
     return make

@@ -16,7 +16,7 @@ from .conftest import AppFactory
 
 BAD_CALL_OPTIONS = [
     ("unique_until", "sometimes", "'start', 'success', 'finish', 'expiry'"),
-    ("on_duplicate", "ignore", "'existing', 'raise', 'replace', 'keep_last'"),
+    ("on_duplicate", "ignore", "'existing', 'raise', 'replace', 'keep_last', 'cancel_running'"),
     ("identity", "loose", "'strict', 'caller_provided', 'always_unique'"),
     ("unique_for", -5, "greater than 0"),
     ("unique_for", "600", "seconds"),
