@@ -17,16 +17,15 @@ from pathlib import Path
 
 import pytest
 import redis
-from celery import Celery, states
+from celery import states
 
 from celery_dedup import DedupTask, inspect_lock
-from celery_dedup.runtime import runtime_for
-from tests.fixtures.postgres import PostgresServer
 from tests.fixtures.redis import RedisServer
 
 from .conftest import wait_until
+from .subprocess_workers import RunsLog, env_app, subprocess_worker
 from .test_ownership import texts
-from .test_ownership_prefork import ROOT, Worker
+from .test_ownership_prefork import Worker
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -35,30 +34,22 @@ BROKER_DB, BACKEND_DB, RUNS_DB = 60, 61, 62
 VISIBILITY = 2
 LEASE = 3
 
-app = Celery("keep_last", set_as_current=False)
-app.conf.update(
-    broker_url=os.environ.get("LAST_BROKER_URL", "memory://"),
-    result_backend=os.environ.get("LAST_BACKEND_URL"),
-    dedup_store=os.environ.get("LAST_STORE_URL") or None,
+app = env_app(
+    "keep_last",
+    "LAST",
+    QUEUE,
     broker_transport_options={
         "visibility_timeout": VISIBILITY,
         "unacked_restore_interval": 1,
         "unacked_restore_throttle": 1,
     },
-    task_default_queue=QUEUE,
-    broker_connection_retry_on_startup=True,
-    result_expires=None,
     dedup_lease_ttl=LEASE,
-    dedup_metrics_flush_interval=3600,
 )
-
-_client: list[redis.Redis] = []
+runs_log = RunsLog("LAST")
 
 
 def _redis() -> redis.Redis:
-    if not _client:
-        _client.append(redis.Redis.from_url(os.environ["LAST_RUNS_URL"]))
-    return _client[0]
+    return runs_log.client()
 
 
 def record(event: str) -> None:
@@ -115,38 +106,13 @@ def worker(
     monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[Worker]:
     """A two-slot prefork worker (started by the test); its store is Redis or PostgreSQL."""
-    redis_server.flush(BROKER_DB, BACKEND_DB, RUNS_DB)
-    store = ""
-    if request.param == "postgres":
-        server: PostgresServer = request.getfixturevalue("postgres_server")
-        store = "db+" + server.url()
-        with server.connect() as conn:
-            conn.execute(
-                "DO $$ BEGIN IF to_regclass('celery_dedup_sql_lock') IS NOT NULL THEN "
-                "DELETE FROM celery_dedup_sql_lock; DELETE FROM celery_dedup_sql_revoked; "
-                "END IF; END $$"
-            )
-    env = {
-        **os.environ,
-        "LAST_BROKER_URL": redis_server.url(BROKER_DB),
-        "LAST_BACKEND_URL": redis_server.url(BACKEND_DB),
-        "LAST_RUNS_URL": redis_server.url(RUNS_DB),
-        "LAST_STORE_URL": store,
-        "PYTHONPATH": str(ROOT),
-    }
-    monkeypatch.setenv("LAST_RUNS_URL", env["LAST_RUNS_URL"])
-    _client.clear()
-    app.conf.update(
-        broker_url=env["LAST_BROKER_URL"],
-        result_backend=env["LAST_BACKEND_URL"],
-        dedup_store=store or None,
-    )
-    proc = Worker(env, tmp_path / "worker.log", app_module=__name__, queue=QUEUE, concurrency=2)
-    try:
+    runs_log.forget()
+    with subprocess_worker(
+        app, module=__name__, prefix="LAST", queue=QUEUE,
+        dbs=(BROKER_DB, BACKEND_DB, RUNS_DB), request=request, redis_server=redis_server,
+        tmp_path=tmp_path, monkeypatch=monkeypatch,
+    ) as proc:
         yield proc
-    finally:
-        proc.stop()
-        runtime_for(app).metrics.flush()
 
 
 def logged(redis_server: RedisServer) -> list[str]:
