@@ -10,14 +10,14 @@ should its worker die, are refused), and the new message is its
 the one that eventually runs carries the latest call's arguments.
 
 What keeps a follow-up from running beside the run in progress is the
-key's **run gate**: a TTL lock of its own (``gate_key``, a digest under a
-namespace no lock listing sees) that every ``keep_last`` run holds from
-its start to its end, owned by its delivery token and renewed with its
-running lease by the worker's main process. A message that finds the gate
-held is deferred (published again a second later, as a copy waiting for
-a running copy is, its lock kept alive meanwhile); a run whose worker dies
-gives the gate up when its pool child is seen to die, or lets it lapse
-within one lease.
+key's **run gate**, kept with the run records (``runs``, ``RunRef.gated``):
+every ``keep_last`` run holds it from its start to its end, in the same
+store calls as its running lease and done marker, owned by its delivery
+token and renewed with its lease by the worker's main process. A message
+that finds the gate held is deferred (published again a second later, as
+a copy waiting for a running copy is, its lock kept alive meanwhile:
+``keep_waiting``); a run whose worker dies gives the gate up when its pool
+child is seen to die, or lets it lapse within one lease.
 
 A call whose queued message is replaced is covered by the replacing
 call's run: the replacing call leaves a *link* in the result backend (a
@@ -25,8 +25,8 @@ result stored under ``LINK_PREFIX`` + the replaced id, holding the
 replacing id), and the ``CoalescedResult`` every ``keep_last`` call returns
 follows the links from a ``REVOKED`` message to the run that covered it.
 
-This module holds the gate and the links: the take-over is
-``DedupTask``'s, the deferral the worker's.
+This module holds the follow-up's wait and the links: the take-over is
+``DedupTask``'s, the gate the run records', the deferral the worker's.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from celery import states
@@ -43,62 +42,21 @@ from celery.exceptions import TaskRevokedError
 from celery.result import AsyncResult, EagerResult
 
 from .exceptions import StoreError
-from .stores.base import RUNNING_POLICY, Lock, LockStore, run_record_key
+from .stores.base import Lock, LockStore
 
 __all__ = [
-    "GATE_POLICY",
     "LINK_PREFIX",
     "WAIT",
     "CoalescedResult",
-    "Gate",
     "following",
-    "gate_key",
     "keep_waiting",
-    "leave",
     "link_replacement",
     "linked",
-    "renew",
     "replacement_of",
-    "try_enter",
     "wait_for",
 ]
 
 logger = logging.getLogger("celery_dedup")
-
-#: The ``policy`` a gate record is written with: a running lease's (listings
-#: and reapers leave it out; its key is outside every lock prefix too).
-GATE_POLICY = RUNNING_POLICY
-
-
-@dataclass(frozen=True)
-class Gate:
-    """The run gate of one key, as one run holds it (or tries to)."""
-
-    store: LockStore
-    #: the gate's store key (``gate_key``)
-    key: str
-    #: the holding run's delivery token
-    token: str
-
-
-def gate_key(key: str) -> str:
-    """The store key of ``key``'s run gate: shared by every publish on the key."""
-    return run_record_key(key, "", "keep_last")
-
-
-def try_enter(
-    store: LockStore, key: str, token: str, lease: float, task_name: str, task_id: str
-) -> tuple[Gate, bool]:
-    """Take ``key``'s run gate for ``token`` for ``lease`` seconds (one round trip).
-
-    Returns the gate and whether this run holds it (a copy of this very
-    delivery that holds it already counts as holding it). Store errors
-    propagate: the caller defers.
-    """
-    gate = Gate(store, gate_key(key), token)
-    meta = {"task_name": task_name, "policy": GATE_POLICY, "task_id": task_id}
-    holder = store.acquire(gate.key, token, lease, meta)
-    return gate, holder is None or holder.owner == token
 
 
 #: Seconds a follow-up waits between two looks at the gate (at most a third
@@ -121,25 +79,6 @@ def keep_waiting(store: LockStore, key: str, owner: str, ttl: float) -> None:
         store.extend(key, owner, ttl)
     except StoreError as exc:
         logger.warning("celery-dedup: could not extend a waiting keep_last lock: %s", exc)
-
-
-def leave(gate: Gate | None) -> None:
-    """Give the gate up (owner-checked); a store error leaves it to lapse within a lease."""
-    if gate is None:
-        return
-    try:
-        gate.store.release(gate.key, gate.token)
-    except StoreError as exc:
-        logger.warning(
-            "celery-dedup: could not open the keep_last run gate (it lapses within "
-            "one lease): %s",
-            exc,
-        )
-
-
-def renew(gate: Gate, lease: float) -> bool:
-    """Keep a running run's gate alive (the worker's main process)."""
-    return gate.store.extend(gate.key, gate.token, lease)
 
 
 #: The result-backend id prefix of a "replaced by" link (a result of its own).

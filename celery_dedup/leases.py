@@ -15,18 +15,15 @@ import os
 import threading
 from typing import Any
 
-from . import coalesce
 from .runs import records_of
 from .stores.base import LockStore, RunRef
 
-__all__ = ["gate_of", "lease_of", "remember", "remember_gate", "renew_active"]
+__all__ = ["lease_of", "remember", "renew_active"]
 
 logger = logging.getLogger("celery_dedup")
 
 #: the attribute of a worker ``Request`` holding its ``(Run, lease seconds)``
 _ATTR = "_dedup_run"
-#: the attribute of a worker ``Request`` holding its ``keep_last`` run gate
-_GATE_ATTR = "_dedup_gate"
 
 
 class _Renewer:
@@ -69,17 +66,6 @@ def remember(request: Any, store: LockStore, run: RunRef, lease: float) -> None:
     _renewer.start(lease)
 
 
-def remember_gate(request: Any, gate: coalesce.Gate) -> None:
-    """Attach the ``keep_last`` run gate ``request`` takes at its start (renewed with its lease)."""
-    setattr(request, _GATE_ATTR, gate)
-
-
-def gate_of(request: Any) -> coalesce.Gate | None:
-    """The ``keep_last`` run gate attached to a received request, if any."""
-    found: coalesce.Gate | None = getattr(request, _GATE_ATTR, None)
-    return found
-
-
 def lease_of(request: Any) -> tuple[LockStore, RunRef, float] | None:
     """The ``(store, run, lease)`` attached to a received request, if any."""
     found: tuple[LockStore, RunRef, float] | None = getattr(request, _ATTR, None)
@@ -99,27 +85,13 @@ def _active_runs() -> dict[tuple[int, float], tuple[LockStore, list[RunRef]]]:
 
 
 def renew_active() -> int:
-    """Renew the lease of every active request of this worker (one pass)."""
+    """Renew the lease (and ``keep_last`` run gate) of every active request of this
+    worker (one pass).
+    """
     renewed = 0
     for (_, lease), (store, runs) in _active_runs().items():
         try:
             renewed += records_of(store).renew_runs(runs, lease)
         except Exception as exc:  # a store outage: the next pass tries again
             logger.warning("celery-dedup: could not renew %d running leases: %s", len(runs), exc)
-    return renewed + _renew_gates()
-
-
-def _renew_gates() -> int:
-    """Renew the ``keep_last`` run gate of every active request holding one."""
-    from celery.worker import state as worker_state
-
-    renewed = 0
-    for request in list(worker_state.active_requests):
-        gate, found = gate_of(request), lease_of(request)
-        if gate is None or found is None:
-            continue
-        try:
-            renewed += coalesce.renew(gate, found[2])
-        except Exception as exc:  # a store outage: the next pass tries again
-            logger.warning("celery-dedup: could not renew a keep_last run gate: %s", exc)
     return renewed

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol
 
-from .coalesce import Gate
 from .header import LockHeader
 from .options import ResolvedOptions
 from .policy import UniqueUntil
@@ -125,8 +124,6 @@ class Held:
     unchecked: bool = False
     #: ``unique_until="start"``: released by the start claim already
     released: bool = False
-    #: ``on_duplicate="keep_last"``: the key's run gate this run holds
-    gate: Gate | None = None
 
 
 def meta_for(task: DedupTaskLike, task_id: str, until: UniqueUntil) -> dict[str, str]:

@@ -21,6 +21,13 @@ A store with ``RunRecords`` keeps them natively (one round trip at start,
 one at the end); any other store keeps them as plain TTL locks under their
 own namespace (``run_record_key``), with the operations it already makes
 atomic (``StoreRuns``: two round trips at start and two at the end).
+
+A ``keep_last`` run is *gated* (``RunRef.gated``): it also holds its key's
+run gate, a record shared by every publish on the key, from its start to
+its end, so a follow-up never runs beside the run it follows. A store that
+keeps gates natively (``run_gates``) does so in the same round trips; on
+any other the gate is a TTL lock taken before and given up after them
+(``GatedRuns``: one round trip more at each end).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from .stores.base import (
 
 __all__ = [
     "DELIVERY_FIELD",
+    "GatedRuns",
     "StoreRuns",
     "attempt_of",
     "done_ttl_for",
@@ -70,13 +78,18 @@ _NATIVE: dict[type, bool] = {}
 
 
 def records_of(store: LockStore) -> RunRecords:
-    """The run records of ``store``: its own, or built from its lock operations."""
+    """The run records of ``store``: its own, or built from its lock operations.
+
+    Run gates ride on them when the store keeps them natively, else
+    ``GatedRuns`` adds them.
+    """
     native = _NATIVE.get(type(store))
     if native is None:
         native = _NATIVE[type(store)] = isinstance(store, RunRecords)
-    if native:
-        return cast(RunRecords, store)
-    return StoreRuns(store)
+    records = cast(RunRecords, store) if native else StoreRuns(store)
+    if native and getattr(store, "run_gates", False):
+        return records
+    return GatedRuns(records, store)
 
 
 def _record_meta(meta: LockMeta, policy: str) -> Mapping[str, str]:
@@ -141,6 +154,66 @@ class StoreRuns:
     def renew_runs(self, runs: Sequence[RunRef], lease: float) -> int:
         """One ``extend`` per run."""
         return sum(1 for run in runs if self.store.extend(run.record, run.token, lease))
+
+
+class GatedRuns:
+    """Run records whose gated runs also hold their key's run gate as a TTL lock.
+
+    For stores that do not keep gates in their run-record operations: the
+    gate (``RunRef.gate``, owned by the delivery token) is taken before the
+    lease and given up after the end, one round trip each.
+    """
+
+    def __init__(self, records: RunRecords, store: LockStore) -> None:
+        self.records = records
+        self.store = store
+
+    def claim_run(
+        self,
+        run: RunRef,
+        lease: float,
+        meta: LockMeta,
+        *,
+        release: bool,
+        ttl: float | None,
+    ) -> tuple[RunOutcome, Claim | None]:
+        """Take the gate (a gated run), then the lease and the start claim.
+
+        A run that does not begin gives the gate back at once.
+        """
+        if not run.gated:
+            return self.records.claim_run(run, lease, meta, release=release, ttl=ttl)
+        holder = self.store.acquire(run.gate, run.token, lease, _record_meta(meta, RUNNING_POLICY))
+        if holder is not None and holder.owner != run.token:
+            return RunOutcome.WAITING, None
+        outcome, claim = self.records.claim_run(run, lease, meta, release=release, ttl=ttl)
+        if outcome is not RunOutcome.BEGUN:
+            self.store.release(run.gate, run.token)
+        return outcome, claim
+
+    def end_run(
+        self, run: RunRef, done_ttl: float, meta: LockMeta, *, release: bool | None
+    ) -> bool:
+        """End the run, then open its gate (even when the end raised: the run is over)."""
+        try:
+            return self.records.end_run(run, done_ttl, meta, release=release)
+        finally:
+            if run.gated:
+                self.store.release(run.gate, run.token)
+
+    def abandon_run(self, run: RunRef) -> bool:
+        """Give the lease up, then the gate."""
+        try:
+            return self.records.abandon_run(run)
+        finally:
+            if run.gated:
+                self.store.release(run.gate, run.token)
+
+    def renew_runs(self, runs: Sequence[RunRef], lease: float) -> int:
+        """Renew the leases, then each gated run's gate (one ``extend`` each)."""
+        renewed = self.records.renew_runs(runs, lease)
+        gates = (run for run in runs if run.gated)
+        return renewed + sum(1 for run in gates if self.store.extend(run.gate, run.token, lease))
 
 
 def done_ttl_for(

@@ -307,14 +307,7 @@ def claim_at_start(
             release(task, store, key, owner, task_id, "start")
             return None
         return Held(store, header, key, owner, task_id)
-    gate = _enter_gate(task, request, store, header, args, kwargs) if header.last else None
-    try:
-        held = _claim(task, request, store, header, task_id, args, kwargs)
-    except BaseException:
-        coalesce.leave(gate)  # this message does not run (now)
-        raise
-    held.gate = gate
-    return held
+    return _claim(task, request, store, header, task_id, args, kwargs)
 
 
 def _claim(
@@ -333,7 +326,7 @@ def _claim(
     guarded = owner.startswith(GUARD_PREFIX)
     release_now = until is UniqueUntil.START
     retake = guarded or until is UniqueUntil.SUCCESS or until is UniqueUntil.FINISH
-    run = _run_of(request, key, owner)
+    run = _run_of(request, header, owner)
     meta = meta_for(task, task_id, until)
     ttl = header.unique_for if retake else None
     try:
@@ -357,40 +350,18 @@ def _claim(
     return held
 
 
-def _enter_gate(
-    task: DedupTaskLike, request: Any, store: LockStore, header: LockHeader, args: Any, kwargs: Any
-) -> coalesce.Gate:
-    """``keep_last``: take the key's run gate, or defer while the key's previous run is in progress.
+def _run_of(request: Any, header: LockHeader, owner: str) -> RunRef | None:
+    """This copy's run: it has one when its worker gave it a delivery token.
 
-    Deferred, never run beside it, never failed, never dropped: the message
-    comes back shortly (``coalesce.WAIT``, at most a third of the lease) and
-    tries again; its lock is kept alive meanwhile, so a newer call replaces
-    this follow-up instead of finding the key free. A store that did not
-    answer defers it too (a short backoff).
+    A ``keep_last`` message always has one (its run gate needs an owner):
+    without a token from its worker, a token of its own.
     """
     key = header.key
     assert key is not None
-    lease = task.dedup_config().runtime.settings.lease_ttl
-    token = getattr(request, runs.DELIVERY_FIELD, None) or new_token()
-    try:
-        gate, entered = coalesce.try_enter(store, key, str(token), lease, task.name, request.id)
-    except StoreError as exc:
-        _defer(task, request, args, kwargs, key, f"the store did not answer: {exc}", None)
-        raise AssertionError("unreachable") from exc  # _defer raises Ignore
-    if not entered:
-        wait = coalesce.wait_for(lease)
-        coalesce.keep_waiting(store, key, header.owner(str(request.id)), wait + header.unique_for)
-        reason = "the previous run of its key is in progress"
-        _defer(task, request, args, kwargs, key, reason, lease, countdown=wait)
-    return gate
-
-
-def _run_of(request: Any, key: str, owner: str) -> RunRef | None:
-    """This copy's run: it has one when its worker gave it a delivery token."""
     token = getattr(request, runs.DELIVERY_FIELD, None)
-    if not token:
+    if not token and not header.last:
         return None
-    return RunRef(key, owner, runs.attempt_of(request), str(token))
+    return RunRef(key, owner, runs.attempt_of(request), str(token or new_token()), header.last)
 
 
 def _claim_run(
@@ -416,8 +387,35 @@ def _claim_run(
         _skip(task, request.id, run.key, request.id, "already ran")
     if outcome is RunOutcome.RUNNING:
         _defer(task, request, args, kwargs, run.key, "a copy of it is running", lease)
+    if outcome is RunOutcome.WAITING:
+        _wait_for_gate(task, request, store, run, args, kwargs, lease)
     assert claim is not None
     return claim
+
+
+def _wait_for_gate(
+    task: DedupTaskLike,
+    request: Any,
+    store: LockStore,
+    run: RunRef,
+    args: Any,
+    kwargs: Any,
+    lease: float,
+) -> NoReturn:
+    """``keep_last``: defer while the key's previous run is in progress (its gate is held).
+
+    Deferred, never run beside it, never failed, never dropped: the message
+    comes back shortly (``coalesce.WAIT``, at most a third of the lease) and
+    tries again; its lock is kept alive meanwhile, so a newer call replaces
+    this follow-up instead of finding the key free.
+    """
+    wait = coalesce.wait_for(lease)
+    header = header_of(request)
+    unique_for = header.unique_for if header is not None else 0.0
+    coalesce.keep_waiting(store, run.key, run.owner, wait + unique_for)
+    reason = "the previous run of its key is in progress"
+    _defer(task, request, args, kwargs, run.key, reason, lease, countdown=wait)
+    raise AssertionError("unreachable")  # _defer raises Ignore
 
 
 def _claim_failed(
@@ -436,12 +434,14 @@ def _claim_failed(
     Contention, or ``dedup_fallback="closed"``: the message is published
     again for later (never failed without running). ``open``: the body runs
     unchecked and its end releases the lock per policy, owner-checked, as
-    soon as the store answers again.
+    soon as the store answers again; except a ``keep_last`` message, which
+    never runs without its run gate (it could run beside the run it follows).
     """
     runtime = task.dedup_config().runtime
     key = header.key
     assert key is not None
-    if isinstance(exc, StoreContention) or runtime.settings.fallback is Fallback.CLOSED:
+    closed = runtime.settings.fallback is Fallback.CLOSED or header.last
+    if isinstance(exc, StoreContention) or closed:
         if run is not None:
             _abandon_run(task, runtime.store or _never(), run)
         _defer(task, request, args, kwargs, key, f"the store did not answer: {exc}", None)
@@ -666,18 +666,6 @@ def _remember_guard(request: Any, header: LockHeader) -> None:
 
 
 def finish(task: DedupTaskLike, held: Held, outcome: Outcome) -> None:
-    """Apply the policy when the run ends (``_finish``), then open its ``keep_last`` run gate.
-
-    The gate opens last: the next run of the key starts only once this
-    run's lock is released or settled.
-    """
-    try:
-        _finish(task, held, outcome)
-    finally:
-        coalesce.leave(held.gate)
-
-
-def _finish(task: DedupTaskLike, held: Held, outcome: Outcome) -> None:
     """Apply the policy when the run ends, before the result is stored.
 
     The attempt's done marker is written first, in the same store call (a
@@ -687,7 +675,9 @@ def _finish(task: DedupTaskLike, held: Held, outcome: Outcome) -> None:
     started: nothing runs under it any more, so a revoke frees it at once).
     A lock handed to a replacement, or released at start, is left alone. A
     store error never changes the run's outcome: a release that did not
-    land is retried as soon as the store answers.
+    land is retried as soon as the store answers. A ``keep_last`` run's
+    gate opens in the same call, once the lock is released or settled: the
+    key's next run starts only then.
     """
     action: bool | None = None
     if not (held.handed_over or held.released or outcome is Outcome.RETRIED):
@@ -772,7 +762,6 @@ def release_killed_run(task: DedupTaskLike, request: Any, outcome: Outcome) -> N
     if found is not None:
         # The attempt ended (killed by a time limit or a revoke): its copies must not run.
         _end_quietly(task, Held(store, header, header.key, "", str(request.id), run=found[1]), None)
-        coalesce.leave(leases.gate_of(request))
     if _killed_run_releases(header, outcome):
         task_id = str(request.id)
         release(task, store, header.key, header.owner(task_id), task_id, outcome.value)
@@ -807,10 +796,9 @@ def _give_delivery_token(task: DedupTaskLike, request: Any) -> None:
         return
     # A message deferred because the store did not answer keeps its token.
     token = request_dict[runs.DELIVERY_FIELD] = request_dict.get(runs.DELIVERY_FIELD) or new_token()
-    run = RunRef(header.key, header.owner(str(request.id)), runs.attempt_of(request_dict), token)
+    owner = header.owner(str(request.id))
+    run = RunRef(header.key, owner, runs.attempt_of(request_dict), token, header.last)
     leases.remember(request, store, run, runtime.settings.lease_ttl)
-    if header.last:
-        leases.remember_gate(request, coalesce.Gate(store, coalesce.gate_key(header.key), token))
 
 
 def _guard_unannounced(task: DedupTaskLike, request: Any) -> None:
@@ -881,8 +869,8 @@ def abandon_lost_run(request: Any) -> None:
     found = leases.lease_of(request)
     task: Any = getattr(request, "task", None)
     if found is not None and hasattr(task, "dedup_config"):
+        # (A keep_last gate too: the key's next run may start now.)
         _abandon_run(task, found[0], found[1])
-        coalesce.leave(leases.gate_of(request))  # the key's next run may start now
 
 
 def _remember_request(sender: Any = None, request: Any = None, **_: Any) -> None:

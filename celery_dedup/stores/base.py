@@ -57,6 +57,7 @@ __all__ = [
     "RunRef",
     "SlotSupport",
     "SlotUsage",
+    "gate_record_key",
     "os_error_kind",
     "refused_unless_passed",
     "revoked_marker_key",
@@ -109,6 +110,15 @@ def run_record_key(key: str, owner: str, attempt: str) -> str:
     """
     digest = hashlib.sha256(f"{key}\x00{owner}\x00{attempt}".encode()).hexdigest()
     return f"celery-dedup-run:{digest}"
+
+
+def gate_record_key(key: str) -> str:
+    """The store key of ``key``'s run gate: shared by every publish on the key.
+
+    A run record of no publish (``run_record_key`` with an empty owner): the
+    same namespace, never under a lock prefix.
+    """
+    return run_record_key(key, "", "keep_last")
 
 
 class ClaimOutcome(str, Enum):
@@ -259,6 +269,8 @@ class RunOutcome(str, Enum):
     RUNNING = "running"
     #: another copy of the attempt completed (its done marker is live)
     DONE = "done"
+    #: the run is gated (``RunRef.gated``) and another run holds its key's gate
+    WAITING = "waiting"
 
 
 @dataclass(frozen=True)
@@ -271,11 +283,20 @@ class RunRef:
     attempt: str
     #: this copy's delivery token: owns the lease
     token: str
+    #: whether the run holds its key's run gate from its start to its end
+    #: (``on_duplicate="keep_last"``: one run of the key at a time, whatever
+    #: publish it belongs to); the gate is owned by ``token`` as the lease is
+    gated: bool = False
 
     @property
     def record(self) -> str:
         """The store key of the attempt's run record (stores without a layout of their own)."""
         return run_record_key(self.key, self.owner, self.attempt)
+
+    @property
+    def gate(self) -> str:
+        """The store key of the key's run gate (stores without a layout of their own)."""
+        return gate_record_key(self.key)
 
 
 @runtime_checkable
@@ -285,6 +306,13 @@ class RunRecords(Protocol):
     One round trip per call, atomic on the server. A store without it gets
     run records built from its lock operations (two round trips at start
     and at the end instead of one).
+
+    A store that sets ``run_gates = True`` also keeps the run gate of a
+    ``RunRef.gated`` run in the same calls: ``claim_run`` answers
+    ``WAITING`` (nothing written) while another token holds it, else takes
+    it with the lease; ``end_run`` and ``abandon_run`` give it up and
+    ``renew_runs`` renews it, owner-checked. Without it the gate is kept with
+    the store's lock operations around these calls (``runs.records_of``).
     """
 
     def claim_run(
@@ -314,7 +342,8 @@ class RunRecords(Protocol):
         """Delete the lease if ``run``'s copy holds it (the run did not complete)."""
 
     def renew_runs(self, runs: Sequence[RunRef], lease: float) -> int:
-        """Set the lease of each run its copy holds to ``lease`` seconds; how many."""
+        """Set the lease of each run its copy holds (and the gate of a gated run its
+        copy holds) to ``lease`` seconds; how many records it set."""
 
 
 @runtime_checkable

@@ -302,18 +302,29 @@ return false
 # lock's hash slot: "L<delivery token>" while a copy runs (the lease), then
 # "D<delivery token>" once the attempt ended (the done marker).
 
+# A gated run (``keep_last``) also holds its key's run gate, "L<delivery
+# token>" like a lease, from its start to its end.
+
 # KEYS[1..2] - as CLAIM
 # KEYS[3] - the attempt's run record (same hash slot)
+# KEYS[4] - the key's run gate, for a gated run only (same hash slot)
 # ARGV[1] - this copy's delivery token
 # ARGV[2] - lease in milliseconds
 # ARGV[3..] - as CLAIM's ARGV[1..]
-# return {"running"} or {"done"} (lock untouched), else CLAIM's answer
+# return {"running"}, {"done"} or {"waiting"} (nothing written), else CLAIM's answer
 CLAIM_RUN = (
     _PRELUDE
     + """
 local run = redis.call('get', KEYS[3])
 if run and string.sub(run, 2) ~= ARGV[1] then
     return {string.sub(run, 1, 1) == 'D' and 'done' or 'running'}
+end
+if KEYS[4] then
+    local gate = redis.call('get', KEYS[4])
+    if gate and gate ~= 'L' .. ARGV[1] then
+        return {'waiting'}
+    end
+    redis.call('set', KEYS[4], 'L' .. ARGV[1], 'PX', ARGV[2])
 end
 redis.call('set', KEYS[3], 'L' .. ARGV[1], 'PX', ARGV[2])
 local A = {unpack(ARGV, 3)}
@@ -325,6 +336,7 @@ local A = {unpack(ARGV, 3)}
 
 # KEYS[1] - lock key
 # KEYS[2] - the attempt's run record (same hash slot)
+# KEYS[3] - the key's run gate, for a gated run only (same hash slot)
 # ARGV[1] - owner token (encoded)
 # ARGV[2] - this copy's delivery token
 # ARGV[3] - done marker ttl in milliseconds
@@ -332,6 +344,9 @@ local A = {unpack(ARGV, 3)}
 # return 1 if the owner held the lock it released or settled, else 0
 END_RUN = _PRELUDE + """
 redis.call('set', KEYS[2], 'D' .. ARGV[2], 'PX', ARGV[3])
+if KEYS[3] and redis.call('get', KEYS[3]) == 'L' .. ARGV[2] then
+    redis.call('del', KEYS[3])
+end
 if ARGV[4] == '' then
     return 0
 end
@@ -353,17 +368,22 @@ return 1
 """
 
 # KEYS[1] - a run record
+# KEYS[2] - its key's run gate, for a gated run only (same hash slot)
 # ARGV[1] - the delivery token
 # ARGV[2] - lease in milliseconds, or "" to delete the lease
-# return 1 if the token holds the lease (renewed or deleted), else 0
+# return how many of them the token holds (each renewed or deleted)
 LEASE = """
-if redis.call('get', KEYS[1]) ~= 'L' .. ARGV[1] then
-    return 0
+local answer = 0
+for _, k in ipairs(KEYS) do
+    if redis.call('get', k) == 'L' .. ARGV[1] then
+        if ARGV[2] == '' then
+            answer = answer + redis.call('del', k)
+        else
+            answer = answer + redis.call('pexpire', k, ARGV[2])
+        end
+    end
 end
-if ARGV[2] == '' then
-    return redis.call('del', KEYS[1])
-end
-return redis.call('pexpire', KEYS[1], ARGV[2])
+return answer
 """
 
 _REVOKE_OUTCOMES = {0: RevokeOutcome.NOT_HELD, 1: RevokeOutcome.RELEASED, 2: RevokeOutcome.RUNNING}
@@ -757,8 +777,17 @@ class RedisStore(RedisLimits):
         outcome = ClaimOutcome(_text(raw[0]))
         return Claim(outcome, self._lock(key, raw[1:]) if outcome is ClaimOutcome.HELD else None)
 
+    #: ``claim_run``, ``end_run``, ``abandon_run`` and ``renew_runs`` keep the
+    #: run gate of a gated run in the same script (``RunRecords``)
+    run_gates = True
+
     def _run_record(self, run: RunRef) -> str:
         return self._marker(run.key, run.owner, f"run{run.attempt}")
+
+    def _run_keys(self, run: RunRef) -> list[str]:
+        """The run record, and the key's run gate when ``run`` is gated (same hash slot)."""
+        record = self._run_record(run)
+        return [record, self._marker(run.key, "", "gate")] if run.gated else [record]
 
     def claim_run(
         self,
@@ -782,10 +811,10 @@ class RedisStore(RedisLimits):
             _pack(key, mine, meta, True) if take else "",
             *(_legacy_fields(key, owner, meta) if take else ()),
         ]
-        keys = [self._k(key), self._marker(key, owner), self._run_record(run)]
+        keys = [self._k(key), self._marker(key, owner), *self._run_keys(run)]
         raw = self._run(self._claim_run, keys, args)
         answer = _text(raw[0])
-        if answer in ("running", "done"):
+        if answer in ("running", "done", "waiting"):
             return RunOutcome(answer), None
         outcome = ClaimOutcome(answer)
         holder = self._lock(key, raw[1:]) if outcome is ClaimOutcome.HELD else None
@@ -796,13 +825,13 @@ class RedisStore(RedisLimits):
     ) -> bool:
         """The done marker, then release or settle (one EVALSHA)."""
         action = "" if release is None else ("release" if release else "settle")
-        keys = [self._k(run.key), self._run_record(run)]
+        keys = [self._k(run.key), *self._run_keys(run)]
         args = [_enc(run.owner), run.token, _ms(done_ttl), action]
         return bool(self._run(self._end_run, keys, args))
 
     def abandon_run(self, run: RunRef) -> bool:
         """Delete the lease if this copy holds it (one EVALSHA)."""
-        return bool(self._run(self._lease, [self._run_record(run)], [run.token, ""]))
+        return bool(self._run(self._lease, self._run_keys(run), [run.token, ""]))
 
     def renew_runs(self, runs: Sequence[RunRef], lease: float) -> int:
         """Renew every lease its copy holds: one pipelined round trip for all of them."""
@@ -812,7 +841,7 @@ class RedisStore(RedisLimits):
         with self._boundary():
             pipe = self.client.pipeline(transaction=False)
             for run in runs:
-                self._lease(keys=[self._run_record(run)], args=[run.token, ms], client=pipe)
+                self._lease(keys=self._run_keys(run), args=[run.token, ms], client=pipe)
             return sum(int(answer) for answer in pipe.execute())
 
     def revoke(self, key: str, owner: str, ttl: float) -> RevokeOutcome:

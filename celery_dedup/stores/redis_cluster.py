@@ -151,7 +151,7 @@ class RedisClusterStore(RedisStore):
     def renew_runs(self, runs: Sequence[RunRef], lease: float) -> int:
         """Renew every lease its copy holds: one EVALSHA per run (on its key's primary)."""
         ms = _ms(lease)
-        return sum(int(self._run(self._lease, [self._run_record(r)], [r.token, ms])) for r in runs)
+        return sum(int(self._run(self._lease, self._run_keys(r), [r.token, ms])) for r in runs)
 
     def _counts_key(self, prefix: str) -> str:
         # One hash; the tag keeps it in one slot whatever is appended to it.

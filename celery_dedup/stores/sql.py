@@ -287,6 +287,8 @@ class SQLStore(SQLLimits):
             raise ImproperlyConfigured(
                 E_NO_DIALECT.format(url=maybe_sanitize_url(url), error=exc)
             ) from exc
+        #: PostgreSQL keeps run gates in its run-record statements (``RunRecords``)
+        self.run_gates = backend.name == "postgresql"
         if backend.driver in ("psycopg", "psycopg2") and "connect_timeout" not in parsed.query:
             options["connect_args"] = {
                 "connect_timeout": CONNECT_TIMEOUT, **(options.get("connect_args") or {})
@@ -578,6 +580,12 @@ class SQLStore(SQLLimits):
             "b_lease": float(ttl),
         }
 
+    def _gate_params(self, run: RunRef) -> dict[str, Any]:
+        """The bound values of ``run``'s gate (statements that keep gates natively)."""
+        if not self.run_gates:
+            return {}
+        return {"b_gated": run.gated, "b_gate": run.gate if run.gated else ""}
+
     def claim_run(
         self,
         run: RunRef,
@@ -597,6 +605,7 @@ class SQLStore(SQLLimits):
         params["b_release"] = release
         params["b_take"] = ttl is not None and not release
         params.update(self._run_params(run, lease, RUNNING_POLICY))
+        params.update(self._gate_params(run))
         outcome, answer = self._run(lambda d, r: d.claim_run(r, params), run.key)
         if answer is None:
             return outcome, None
@@ -616,11 +625,19 @@ class SQLStore(SQLLimits):
         params["b_release"] = release is True
         params["b_settle"] = release is False
         params["b_ttl"] = None  # a settle keeps the lock's expiry
+        params.update(self._gate_params(run))
         return self._run(lambda d, r: d.end_run(r, params), run.key)
 
     def abandon_run(self, run: RunRef) -> bool:
-        """Delete the lease if ``run``'s copy holds it (one DELETE; a done marker stays)."""
+        """Delete the lease if ``run``'s copy holds it (one DELETE; a done marker stays).
+
+        A gated run's gate goes with it, in the same DELETE, where the store
+        keeps gates natively.
+        """
         params = {"b_key": run.record, "b_owner": run.token, "b_policy": RUNNING_POLICY}
+        if run.gated and self.run_gates:
+            params["b_gate"] = run.gate
+            return self._run(lambda d, r: r(d.abandon_gated, params).rowcount > 0, run.key)
         return self._run(lambda d, r: r(d.abandon, params).rowcount > 0, run.key)
 
     def renew_runs(self, runs: Sequence[RunRef], lease: float, *, batch: int = 5000) -> int:
@@ -632,7 +649,10 @@ class SQLStore(SQLLimits):
 
         renewed = 0
         for start in range(0, len(runs), batch):
-            pairs = [(run.record, run.token) for run in runs[start : start + batch]]
+            some = runs[start : start + batch]
+            pairs = [(run.record, run.token) for run in some]
+            if self.run_gates:
+                pairs += [(run.gate, run.token) for run in some if run.gated]
             renewed += self._run(partial(renew, pairs))
         return renewed
 

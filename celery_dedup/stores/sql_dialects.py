@@ -384,6 +384,15 @@ class _Dialect:
         self.abandon = self.render(
             delete(lock_table).where(self.mine, _L.policy == bindparam("b_policy"))
         )
+        # A gated run's lease and its key's gate (``b_gate``) at once.
+        self.abandon_gated = self.render(
+            delete(lock_table).where(
+                _L.key.in_([bindparam("b_key"), bindparam("b_gate")]),
+                _L.owner == bindparam("b_owner"),
+                self.live,
+                _L.policy == bindparam("b_policy"),
+            )
+        )
         self.run_record = self.render(
             select(_L.owner, _L.policy, _L.token, _L.expires_at, self.now.label("now")).where(
                 _L.key == bindparam("b_record")
@@ -611,10 +620,23 @@ class _Postgres(_Dialect):
             select(false(), inserted.c.owner, *blanks, self.now),
         )
 
-    def _run_upsert(self, where: ColumnElement[bool] | None) -> Insert:
-        """Insert the run record, or overwrite it (when ``where`` holds)."""
-        run_values = self.run_values()
-        ins = postgresql.insert(lock_table).values(**run_values)
+    def _run_upsert(
+        self,
+        where: ColumnElement[bool] | None,
+        *,
+        at: str = "b_record",
+        only_if: ColumnElement[bool] | None = None,
+    ) -> Insert:
+        """Insert the run record (or the gate: ``at="b_gate"``), or overwrite it
+        (when ``where`` holds); nothing at all unless ``only_if`` holds.
+        """
+        run_values = {**self.run_values(), "key": bindparam(at, type_=String())}
+        if only_if is None:
+            ins = postgresql.insert(lock_table).values(**run_values)
+        else:
+            ins = postgresql.insert(lock_table).from_select(
+                list(run_values), select(*run_values.values()).where(only_if)
+            )
         return ins.on_conflict_do_update(
             index_elements=[_L.key],
             set_={name: ins.excluded[name] for name in run_values if name != "key"},
@@ -622,17 +644,39 @@ class _Postgres(_Dialect):
         )
 
     def _claim_run_statement(self, values: dict[str, Any], new: dict[str, Any]) -> Select[Any]:
-        # The lease first: every write of the claim waits for its answer
+        # The record's holder in the snapshot, for RUNNING or DONE.
+        record = (
+            select(_L.owner, _L.policy, _L.expires_at)
+            .where(_L.key == bindparam("b_record"))
+            .cte("record")
+        )
+        busy = exists(
+            select(record.c.owner).where(
+                record.c.owner != bindparam("b_run", type_=String()),
+                record.c.expires_at > self.now,
+            )
+        )
+        # A gated run takes its key's gate first (lapsed, or its own), unless
+        # another copy of its attempt holds the record; the lease only then.
+        gated = _flag("b_gated")
+        gate = (
+            self._run_upsert(self.lease_taken(), at="b_gate", only_if=and_(gated, ~busy))
+            .returning(_L.key)
+            .cte("gate")
+        )
+        gate_taken = exists(select(gate.c.key))
+        # The lease next: every write of the claim waits for its answer
         # (they read it), so the record's row is always locked before the
         # key's, as end_run does.
-        lease = self._run_upsert(self.lease_taken()).returning(_L.key).cte("lease")
+        lease = (
+            self._run_upsert(self.lease_taken(), only_if=or_(~gated, gate_taken))
+            .returning(_L.key)
+            .cte("lease")
+        )
         begun = exists(select(lease.c.key))
-        # The record's holder in the snapshot, for RUNNING or DONE.
-        record = select(_L.owner, _L.policy, _L.expires_at).where(
-            _L.key == bindparam("b_record")
-        ).cte("record")
         return self._claim_statement(values, new, begun).add_columns(
             begun.label("begun"),
+            gate_taken.label("gate_taken"),
             select(record.c.owner).scalar_subquery().label("run_owner"),
             select(record.c.policy).scalar_subquery().label("run_policy"),
             select(record.c.expires_at).scalar_subquery().label("run_expires_at"),
@@ -640,6 +684,18 @@ class _Postgres(_Dialect):
 
     def _end_run_statement(self) -> Select[Any]:
         done = self._run_upsert(None).returning(_L.key).cte("done")
+        # A gated run opens its key's gate in the same statement.
+        opened = (
+            delete(lock_table)
+            .where(
+                _flag("b_gated"),
+                _L.key == bindparam("b_gate", type_=String()),
+                _L.owner == bindparam("b_run", type_=String()),
+                _L.policy == RUNNING_POLICY,
+            )
+            .returning(_L.key)
+            .cte("opened")
+        )
         written = exists(select(done.c.key))
         gone = (
             delete(lock_table)
@@ -656,7 +712,7 @@ class _Postgres(_Dialect):
         )
         return select(
             or_(exists(select(gone.c.key)), exists(select(settled.c.key))).label("held")
-        ).add_cte(done)
+        ).add_cte(done, opened)
 
     def _claim_statement(
         self,
@@ -771,6 +827,11 @@ class _Postgres(_Dialect):
                 # As for claim; the lease is ours now, so running the
                 # statement again takes it again (its own).
                 continue
+            if row.gate_taken:
+                # A copy's record was written after the snapshot: this copy
+                # does not run (now), so the gate it took goes back.
+                gate = {"b_key": params["b_gate"], "b_owner": params["b_run"]}
+                run(self.abandon, {**gate, "b_policy": RUNNING_POLICY})
             if (
                 row.run_owner is not None
                 and row.run_owner != params["b_run"]
@@ -778,6 +839,8 @@ class _Postgres(_Dialect):
             ):
                 done = row.run_policy == DONE_POLICY
                 return (RunOutcome.DONE if done else RunOutcome.RUNNING), None
+            if params["b_gated"] and not row.gate_taken:
+                return RunOutcome.WAITING, None  # another run of the key holds the gate
             # The record was written after the snapshot: run again.
         raise _contention(params["b_key"])
 

@@ -642,6 +642,93 @@ class StoreContract:
         assert outcome is RunOutcome.BEGUN
         assert claim is not None and claim.outcome is ClaimOutcome.REVOKED
 
+    # -- run gates (``RunRef.gated``: keep_last's one run of a key at a time) --
+
+    def test_gated_runs_of_one_key_take_turns(self, store_case: StoreCase) -> None:
+        """A gated run of another publish on the key waits (nothing written) until the
+        running one ends; a copy of the running attempt is still told RUNNING."""
+        store = store_case.store
+        runs = records_of(store)
+        assert store.acquire("gate:a", "owner-a", 30, META) is None
+        first = RunRef("gate:a", "owner-a", "0.0", "copy-a", gated=True)
+        outcome, claim = runs.claim_run(first, 30, META, release=False, ttl=None)
+        assert outcome is RunOutcome.BEGUN and claim is not None
+        assert claim.outcome is ClaimOutcome.OWNED
+        store.take_over("gate:a", "owner-b", 30, META)  # the follow-up's publish
+        follow_up = RunRef("gate:a", "owner-b", "0.0", "copy-b", gated=True)
+        for _ in range(2):  # a look at a held gate takes nothing, however often
+            assert runs.claim_run(follow_up, 30, META, release=False, ttl=None) == (
+                RunOutcome.WAITING, None,
+            )
+            lock = store.get("gate:a")
+            assert lock is not None and lock.owner == "owner-b" and not lock.started
+        copy = RunRef("gate:a", "owner-a", "0.0", "copy-a2", gated=True)
+        outcome, claim = runs.claim_run(copy, 30, META, release=False, ttl=None)
+        # Deferred either way (a store keeping gates around its records sees the gate first).
+        assert outcome in (RunOutcome.RUNNING, RunOutcome.WAITING) and claim is None
+        # An ungated run of the key is not held back by the gate.
+        plain = RunRef("gate:a", "owner-c", "0.0", "copy-c")
+        assert runs.claim_run(plain, 30, META, release=False, ttl=None)[0] is RunOutcome.BEGUN
+        assert runs.end_run(first, 30, META, release=True) is False  # owner-b holds the lock
+        outcome, claim = runs.claim_run(follow_up, 30, META, release=False, ttl=None)
+        assert outcome is RunOutcome.BEGUN and claim is not None
+        assert claim.outcome is ClaimOutcome.OWNED
+        lock = store.get("gate:a")
+        assert lock is not None and lock.owner == "owner-b" and lock.started
+        # Neither the gate nor the records are locks: listings never show them.
+        assert [lock.key for lock in store.scan("gate:a")] == ["gate:a"]
+
+    def test_a_gated_copy_that_does_not_begin_keeps_no_gate(self, store_case: StoreCase) -> None:
+        """A copy told RUNNING or DONE leaves the gate to the run that holds it, or free."""
+        store = store_case.store
+        runs = records_of(store)
+        first = RunRef("gate:b", "owner-a", "0.0", "copy-a", gated=True)
+        assert runs.claim_run(first, 30, META, release=False, ttl=30)[0] is RunOutcome.BEGUN
+        copy = RunRef("gate:b", "owner-a", "0.0", "copy-a2", gated=True)
+        deferred = (RunOutcome.RUNNING, RunOutcome.WAITING)
+        assert runs.claim_run(copy, 30, META, release=False, ttl=30)[0] in deferred
+        runs.end_run(first, 30, META, release=True)
+        assert runs.claim_run(copy, 30, META, release=False, ttl=30)[0] is RunOutcome.DONE
+        follow_up = RunRef("gate:b", "owner-b", "0.0", "copy-b", gated=True)
+        outcome, claim = runs.claim_run(follow_up, 30, META, release=False, ttl=30)
+        assert outcome is RunOutcome.BEGUN and claim is not None
+        assert claim.outcome is ClaimOutcome.FREE
+
+    def test_a_gate_is_renewed_with_its_lease_and_given_up_with_it(
+        self, store_case: StoreCase
+    ) -> None:
+        """renew_runs keeps the gate past its first lease; abandon_run opens it at once."""
+        store = store_case.store
+        runs = records_of(store)
+        first = RunRef("gate:c", "owner-a", "0.0", "copy-a", gated=True)
+        assert runs.claim_run(first, 2, META, release=False, ttl=30)[0] is RunOutcome.BEGUN
+        assert runs.renew_runs([first], 30) == 2  # the lease and the gate
+        time.sleep(3.2)  # past the first lease (memcached counts whole seconds)
+        follow_up = RunRef("gate:c", "owner-b", "0.0", "copy-b", gated=True)
+        assert runs.claim_run(follow_up, 30, META, release=False, ttl=30)[0] is (
+            RunOutcome.WAITING
+        )
+        assert runs.abandon_run(first) is True
+        assert runs.claim_run(follow_up, 30, META, release=False, ttl=30)[0] is (
+            RunOutcome.BEGUN
+        )
+
+    def test_an_unrenewed_gate_lapses_with_its_lease(self, store_case: StoreCase) -> None:
+        """A run whose worker died unseen holds the gate one lease at most."""
+        store = store_case.store
+        runs = records_of(store)
+        dead = RunRef("gate:d", "owner-a", "0.0", "copy-a", gated=True)
+        assert runs.claim_run(dead, 1, META, release=False, ttl=30)[0] is RunOutcome.BEGUN
+        follow_up = RunRef("gate:d", "owner-b", "0.0", "copy-b", gated=True)
+        deadline = time.monotonic() + 5
+        while True:
+            outcome, _ = runs.claim_run(follow_up, 30, META, release=False, ttl=30)
+            if outcome is RunOutcome.BEGUN:
+                break
+            assert outcome is RunOutcome.WAITING
+            assert time.monotonic() < deadline, "the gate did not lapse"
+            time.sleep(0.1)
+
     def test_concurrent_acquire_has_one_winner_per_key(self, store_case: StoreCase) -> None:
         """8 processes (threads for an in-process store) racing for 200 keys: one winner per key."""
         if store_case.shared_across_processes:

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
-from celery_dedup.runs import records_of
+from celery_dedup.runs import GatedRuns, records_of
 from celery_dedup.stores import sql_dialects
 from celery_dedup.stores.base import (
     DONE_POLICY,
@@ -90,9 +90,14 @@ def lock_rows(store: SQLStore) -> int:
 
 
 def test_sql_store_keeps_run_records_itself(runs_store: SQLStore) -> None:
-    """Every dialect implements ``RunRecords``: no generic two-step records."""
+    """Every dialect implements ``RunRecords``: no generic two-step records. PostgreSQL
+    keeps keep_last's run gates in them too; elsewhere the gate is a lock around them."""
     assert isinstance(runs_store, RunRecords)
-    assert records_of(runs_store) is runs_store
+    records = records_of(runs_store)
+    if runs_store.run_gates:
+        assert records is runs_store
+    else:
+        assert isinstance(records, GatedRuns) and records.records is runs_store
 
 
 @pytest.mark.postgres
@@ -162,6 +167,24 @@ def test_claim_run_and_end_run_are_one_statement_on_postgres(
         store.claim_run(run, 30, META, release=False, ttl=None)
     assert one(lambda: store.renew_runs(leases, 60)) == 50
     assert one(lambda: store.abandon_run(leases[0])) is True
+
+    # keep_last: the run gate rides on the same statements.
+    assert store.acquire("last", "owner-a", 30, META) is None
+    running = RunRef("last", "owner-a", "0.0", "copy-1", gated=True)
+    outcome, claim = one(lambda: store.claim_run(running, 30, META, release=False, ttl=30))
+    assert outcome is RunOutcome.BEGUN and claim is not None
+    assert claim.outcome is ClaimOutcome.OWNED
+    store.take_over("last", "owner-b", 30, META)
+    follow_up = RunRef("last", "owner-b", "0.0", "copy-2", gated=True)
+    assert one(lambda: store.claim_run(follow_up, 30, META, release=False, ttl=30)) == (
+        RunOutcome.WAITING, None,
+    )
+    assert one(lambda: store.renew_runs([running], 60)) == 2  # the lease and the gate
+    assert one(lambda: store.end_run(running, 60, META, release=True)) is False
+    outcome, claim = one(lambda: store.claim_run(follow_up, 30, META, release=False, ttl=30))
+    assert outcome is RunOutcome.BEGUN and claim is not None
+    assert claim.outcome is ClaimOutcome.OWNED
+    assert one(lambda: store.abandon_run(follow_up)) is True
 
 
 @pytest.mark.parametrize(
