@@ -20,7 +20,7 @@ import zlib
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ..exceptions import (
     ImproperlyConfigured,
@@ -36,6 +36,7 @@ from .base import (
     Lock,
     LockMeta,
     LockStore,
+    QueuedTakeOver,
     RevokeOutcome,
     os_error_kind,
     refused_unless_passed,
@@ -225,6 +226,12 @@ class DjangoCacheStore:
     def take_over(self, key: str, owner: str, ttl: float, meta: LockMeta) -> Lock | None:
         """Become the holder; return the previous live one."""
         return self.locks().take_over(key, owner, ttl, meta)
+
+    def take_over_queued(
+        self, key: str, owner: str, ttl: float, meta: LockMeta
+    ) -> Lock | None:
+        """``take_over`` unless a started holder holds the key (``QueuedTakeOver``)."""
+        return cast(QueuedTakeOver, self.locks()).take_over_queued(key, owner, ttl, meta)
 
     def claim(
         self, key: str, owner: str, *, release: bool, ttl: float | None, meta: LockMeta

@@ -404,6 +404,26 @@ class CacheLocks:
                     return None if previous is None else self._local(physical, previous)
             raise _Contended
 
+    def take_over_queued(
+        self, key: str, owner: str, ttl: float, meta: LockMeta
+    ) -> Lock | None:
+        """``take_over`` unless a started holder holds the key (``QueuedTakeOver``).
+
+        The read and the ``cas`` of ``take_over``: a holder that starts in
+        between changes the item, so the ``cas`` fails and the next attempt
+        sees it started.
+        """
+        physical = self._physical(key)
+        with self._op("take_over_queued"):
+            for _ in _attempts():
+                slot, _found = self._read(physical)
+                previous = slot.lock
+                if previous is not None and previous.started:
+                    return self._local(physical, previous)
+                if self._put(slot, self._new(physical, key, owner, ttl, meta, False), ttl):
+                    return None if previous is None else self._local(physical, previous)
+            raise _Contended
+
     def claim(
         self, key: str, owner: str, *, release: bool, ttl: float | None, meta: LockMeta
     ) -> Claim:

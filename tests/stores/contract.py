@@ -43,10 +43,6 @@ RACE_WORKERS = 8
 RACE_KEYS = [f"race:{i:03d}" for i in range(200)]
 TQ_RACE_KEYS = [f"tq-race:{i:03d}" for i in range(60)]
 
-#: Stores without ``QueuedTakeOver`` (the generic caches: cancel_running
-#: revokes, then acquires there); every other store must have it.
-WITHOUT_QUEUED_TAKE_OVER = frozenset({"memcached", "cache", "django-cache"})
-
 
 def wait_until_gone(store: LockStore, key: str, timeout: float = 4.0) -> float:
     """Poll until ``key`` has no live lock; return the seconds waited."""
@@ -216,10 +212,7 @@ class StoreContract:
         """take_over_queued() takes a free key or one whose holder has not started; a started
         holder is returned and keeps the key (stores without it: the three-trip fallback)."""
         store = store_case.store
-        if not isinstance(store, QueuedTakeOver):
-            # cancel_running revokes, then acquires (tested through the policy)
-            assert store.name in WITHOUT_QUEUED_TAKE_OVER, store.name
-            return
+        assert isinstance(store, QueuedTakeOver), store.name  # every store shipped
         assert store.take_over_queued("k:tq", "owner-a", 30, META) is None
         previous = store.take_over_queued("k:tq", "owner-b", 30, OTHER_META)
         assert previous is not None and previous.owner == "owner-a" and not previous.started
@@ -240,9 +233,7 @@ class StoreContract:
     ) -> None:
         """A started holder past its TTL no longer holds the key: take_over_queued takes it."""
         store = store_case.store
-        if not isinstance(store, QueuedTakeOver):
-            assert store.name in WITHOUT_QUEUED_TAKE_OVER, store.name
-            return
+        assert isinstance(store, QueuedTakeOver), store.name
         assert store.acquire("k:tqx", "owner-a", 1, {**META, "started": "1"}) is None
         wait_until_gone(store, "k:tqx")
         assert store.take_over_queued("k:tqx", "owner-b", 30, OTHER_META) is None
@@ -258,9 +249,7 @@ class StoreContract:
         was taken, the double run ``cancel_running`` must never cause.
         """
         store = store_case.store
-        if not isinstance(store, QueuedTakeOver):
-            assert store.name in WITHOUT_QUEUED_TAKE_OVER, store.name
-            return
+        assert isinstance(store, QueuedTakeOver), store.name
         for key in TQ_RACE_KEYS:
             assert store.acquire(key, f"q-{key}", 60, META) is None
         claims, taken = _start_race(store_case)
