@@ -93,41 +93,27 @@ def settle_owner(
     ttl: float,
     meta: Mapping[str, str],
     now: float,
-) -> tuple[str, float, Lock | None]:
+    revoked_ttl: float,
+) -> tuple[str, float]:
     """After ``take_over(key, guessed)`` displaced ``previous``: the owner this call publishes.
 
-    Returns ``(owner, burst start, newer holder)``. When the guessed burst
-    start was wrong, the key is taken again under the right token. A newer
-    call that took the key in between wins: the key is handed back to it
-    and returned as the third item (this call then publishes nothing).
+    Returns ``(owner, burst start)``. When the guessed burst start was
+    wrong, the key is taken again under the right token. A concurrent call
+    that took the key in between is replaced as by any ``replace``: its
+    owner token is marked revoked (its message, if it publishes one, is
+    refused at start). Handing the key back to it instead could leave it
+    to nobody: that call may itself be settling, and hand the key back to
+    this one.
     """
     start = burst_start(previous, now)
+    _remember(key, start)
     if token_start(guessed) == int(start * 1000) / 1000:
-        _remember(key, start)
-        return guessed, start, None
+        return guessed, start
     owner = owner_token(start)
     displaced = store.take_over(key, owner, ttl, meta)
     if displaced is not None and displaced.owner not in (guessed, owner):
-        _hand_back(store, key, owner, displaced)
-        return owner, start, displaced
-    _remember(key, start)
-    return owner, start, None
-
-
-def _hand_back(store: LockStore, key: str, owner: str, newer: Lock) -> None:
-    """Give the key back to ``newer`` (a later call), as a failed replace restores its holder."""
-    store.release(key, owner)
-    store.acquire(
-        key,
-        newer.owner,
-        max(newer.ttl, 1.0),
-        {
-            "task_name": newer.task_name,
-            "policy": newer.policy,
-            "task_id": newer.task_id,
-            "started": "1" if newer.started else "",
-        },
-    )
+        store.revoke(key, displaced.owner, max(displaced.ttl, revoked_ttl))
+    return owner, start
 
 
 def cap_eta(options: MutableMapping[str, Any], start: float, max_wait: float,

@@ -573,8 +573,9 @@ class DedupTask(_Task):
             if replaces:
                 previous = self._take_over(store, key, owner, ttl, meta)
                 if max_wait is not None:
-                    owner, start, holder = debounce.settle_owner(
-                        store, key, owner, previous, ttl, meta, now
+                    owner, start = debounce.settle_owner(
+                        store, key, owner, previous, ttl, meta, now,
+                        runtime.settings.revoked_ttl,
                     )
                     capped = debounce.cap_eta(options, start, max_wait)
             elif cancels:

@@ -160,3 +160,60 @@ def test_a_burst_shared_by_producers_keeps_its_start(store_app: Celery) -> None:
     for eta in etas:
         assert datetime.fromisoformat(eta).timestamp() == pytest.approx(start + 2, abs=0.01)
     assert len(etas) == 2
+
+
+def test_two_producers_taking_the_key_again_at_once_both_publish(store_app: Celery) -> None:
+    """Two calls from different producers, both guessing the burst wrong, take the key again
+    interleaved (a, b, a, b): each finds the other's token. Neither may hand the key back to
+    the other (each would then publish nothing, the key locked by nobody's message); the
+    later take-over wins and both calls publish."""
+    from celery_dedup import debounce
+    from celery_dedup.results import owner_of
+    from celery_dedup.runtime import runtime_for
+
+    app = store_app
+
+    @app.task(base=DedupTask, shared=False, unique_for=60, on_duplicate="replace",
+              debounce_max_wait=2)
+    def job(x: int) -> int:
+        return x
+
+    job.apply_async((1,), countdown=30)  # the burst's queued holder
+    store = runtime_for(app).store
+    assert store is not None
+    real = store.take_over
+    order = ["a", "b", "a", "b"]
+    step = [0]
+    turn = threading.Condition()
+
+    def take_over(*args: Any, **kwargs: Any) -> Any:
+        me = threading.current_thread().name
+        with turn:
+            assert turn.wait_for(lambda: order[step[0]] == me, timeout=10), order[step[0]]
+        try:
+            return real(*args, **kwargs)
+        finally:
+            with turn:
+                step[0] += 1
+                turn.notify_all()
+
+    results: dict[str, Any] = {}
+
+    def call(name: str) -> None:
+        results[name] = job.apply_async((1,), countdown=30)
+
+    debounce._recent.clear()  # both as if made by other processes: both guess wrong
+    store.take_over = take_over  # type: ignore[method-assign]
+    try:
+        threads = [threading.Thread(target=call, args=(n,), name=n) for n in ("a", "b")]
+        for thread in threads:
+            thread.start()
+            time.sleep(0.02)  # (b's guessed burst start differs from a's)
+        for thread in threads:
+            thread.join(20)
+    finally:
+        del store.take_over
+    assert step[0] == 4 and set(results) == {"a", "b"}
+    assert not results["a"].deduplicated and not results["b"].deduplicated
+    held = inspect_lock(results["b"].deduplication_key, app=app)
+    assert held is not None and held.owner == owner_of(results["b"])

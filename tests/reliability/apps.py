@@ -15,6 +15,7 @@ import time
 from collections.abc import Mapping
 from typing import Any, cast
 
+from billiard.exceptions import SoftTimeLimitExceeded
 from celery import Celery
 
 from celery_dedup import DedupTask
@@ -41,10 +42,11 @@ def run_plan(task: Any, recorder: Recorder, n: int, plan: Mapping[str, Any]) -> 
     ``sleep``: seconds of work; ``hang`` and ``hang_runs``: sleep ``hang``
     seconds instead on the first ``hang_runs`` runs of a try (to be killed
     there); ``retries`` and ``retry_countdown``: retry that many times;
-    ``fail``: raise on the last try.
+    ``fail``: raise on the last try; ``seq``: the call's name in the trace.
     """
     retries = int(task.request.retries or 0)
-    start = body_event(task, recorder, "start")
+    seq = str(plan.get("seq", ""))
+    start = body_event(task, recorder, "start", seq=seq)
     run = recorder.next_run(start.token, retries)
     outcome, countdown = "failure", 0.0
     try:
@@ -54,8 +56,11 @@ def run_plan(task: Any, recorder: Recorder, n: int, plan: Mapping[str, Any]) -> 
             outcome, countdown = "retry", float(plan.get("retry_countdown", 0.1))
         elif not plan.get("fail"):
             outcome = "success"
+    except SoftTimeLimitExceeded:
+        outcome = "interrupted"
+        raise
     finally:
-        body_event(task, recorder, "end", outcome=outcome, countdown=countdown)
+        body_event(task, recorder, "end", outcome=outcome, countdown=countdown, seq=seq)
     if outcome == "retry":
         raise task.retry(countdown=countdown)
     if outcome == "failure":

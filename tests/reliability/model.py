@@ -21,6 +21,19 @@ Every bound is taken on the safe side of each recorded instant (a producer's
 ``task_postrun`` record follows the release, a body's end record precedes it),
 plus a margin, so a finding is certain: it cannot be explained by the
 unknown order of events inside the recorded intervals.
+
+Two policies are judged by what their runs did rather than by their lock
+alone. ``cancel_running``: a run terminated by a later call (its body's end
+record says ``interrupted``) is cancelled, never a run that did the work;
+every call's work is done by a run of its own message that ended, or handed
+on to a later call of the key that took it over (or to a ``CancelTimeout``
+its caller saw); two runs of the key overlap only while a run cancelled by
+such a call ends. Capped debounce (``replace`` with ``debounce_max_wait``):
+the same hand-on rule, and a run of the key starts at most
+``debounce_max_wait`` (plus ``CAP_SLACK`` for the workers' scheduling)
+after the first call of its burst. A capped call may take the key twice
+(under a guessed owner token, then under the one naming its burst's start):
+a scan during the call may see the guessed token.
 """
 
 from __future__ import annotations
@@ -34,8 +47,10 @@ from enum import Enum
 from itertools import pairwise
 
 from celery_dedup.coalesce import WAIT
+from celery_dedup.debounce import token_start
 
 __all__ = [
+    "CAP_SLACK",
     "FINAL_STATES",
     "MARGIN",
     "Call",
@@ -57,6 +72,17 @@ __all__ = [
 MARGIN = 0.05
 
 INF = math.inf
+
+#: Seconds a capped debounce's run may start past its cap: the ETA is
+#: honoured by a worker with a free pool slot, behind a running run of the
+#: key (a ``replace`` waits for it) and a retry's countdown.
+CAP_SLACK = 2.0
+
+#: Seconds by which a cancelled run's termination record (``task_revoked``,
+#: written just after the worker released its lock) may follow the start of
+#: the run that took the freed key: that run's call waited for the release,
+#: then acquired, published, and its message was delivered and claimed.
+CUT_SLACK = 0.5
 
 #: ``task_postrun`` states after which a message never runs again.
 FINAL_STATES = frozenset({"SUCCESS", "FAILURE", "IGNORED", "REJECTED", "REVOKED"})
@@ -80,6 +106,13 @@ class Kind(str, Enum):
     REVOKED_RAN = "revoked ran"
     #: two ``keep_last`` runs of one key overlapped (a follow-up ran beside its run)
     OVERLAP = "overlapping keep_last runs"
+    #: a ``cancel_running`` or capped debounce call whose work no run did: its
+    #: own message did not run to its end and no later call took it over
+    UNCOVERED = "uncovered call"
+    #: two runs of a ``cancel_running`` key overlapped, beyond a cancelled run ending
+    CANCEL_OVERLAP = "overlapping cancel_running runs"
+    #: a capped debounce's burst ran later than ``debounce_max_wait`` after its first call
+    LATE = "late capped debounce"
 
 
 @dataclass(frozen=True)
@@ -94,20 +127,27 @@ class Call:
     t0: float
     #: just after it returned or raised
     t1: float
-    #: ``published``, ``deduplicated``, ``raised`` (``DuplicateTaskError``) or
+    #: ``published``, ``deduplicated``, ``raised`` (``DuplicateTaskError``),
+    #: ``cancel_timeout`` (``CancelTimeout``: nothing published, no lock) or
     #: ``failed`` (any other error: the lock must have been rolled back)
     outcome: str
     #: the published message's id, or the holder's id for a suppressed call
     task_id: str
     #: the owner token the call published (``published`` and ``failed``)
     token: str = ""
-    #: the call could take the lock over (``replace`` or ``keep_last``)
+    #: the call could take the lock over (``replace``, ``keep_last``, ``cancel_running``)
     replace: bool = False
     #: ``on_duplicate="keep_last"``: its runs never overlap another keep_last run
     keep_last: bool = False
+    #: ``on_duplicate="cancel_running"``: it cancels the holder, running or not
+    cancel: bool = False
+    #: ``replace`` with ``debounce_max_wait``: the cap, in seconds
+    max_wait: float | None = None
     countdown: float = 0.0
     #: the message's ``expires`` as epoch seconds
     expires_at: float | None = None
+    #: the call's name, carried by its arguments to the runs (``Event.seq``)
+    seq: str = ""
 
 
 @dataclass(frozen=True)
@@ -128,10 +168,11 @@ class Event:
 
     ``kind`` is ``prerun`` (``task_prerun``: before the start claim),
     ``start`` (first line of the body: after the claim), ``end`` (last line
-    of the body: before the release; ``outcome`` is ``success``, ``failure``
-    or ``retry``), ``postrun`` (``task_postrun``: after the release;
-    ``outcome`` is the state), ``skipped`` (``task_skipped``) or ``revoked``
-    (``task_revoked``, recorded after celery-dedup's own receiver released).
+    of the body: before the release; ``outcome`` is ``success``, ``failure``,
+    ``retry`` or ``interrupted``: terminated by a ``cancel_running`` call),
+    ``postrun`` (``task_postrun``: after the release; ``outcome`` is the
+    state), ``skipped`` (``task_skipped``) or ``revoked`` (``task_revoked``,
+    recorded after celery-dedup's own receiver released).
     """
 
     kind: str
@@ -143,6 +184,8 @@ class Event:
     #: the retry's countdown, on an ``end`` with outcome ``retry``
     countdown: float = 0.0
     pid: int = 0
+    #: the ``seq`` of the call whose arguments the body ran with (``start``, ``end``)
+    seq: str = ""
 
 
 @dataclass(frozen=True)
@@ -314,6 +357,9 @@ class _Checker:
         self.revokes_of: dict[tuple[str, str], list[Revoke]] = defaultdict(list)
         for revoke in trace.revokes:
             self.revokes_of[(revoke.key, revoke.task_id)].append(revoke)
+        self.calls_of: dict[str, list[Call]] = defaultdict(list)
+        for call in sorted(trace.calls, key=lambda c: c.t0):
+            self.calls_of[call.key].append(call)
         for holding in self.holdings:
             self._bound(holding)
 
@@ -362,6 +408,10 @@ class _Checker:
         for other in self.by_key[call.key]:
             if other is not h and other.call.replace and other.call.t1 > call.t0:
                 earliest = min(earliest, max(call.t0, other.call.t0))
+        for timeout in self.calls_of[call.key]:
+            # A cancel that timed out revoked the holder and may have terminated it.
+            if timeout.outcome == "cancel_timeout" and timeout.t1 > call.t0:
+                earliest = min(earliest, max(call.t0, timeout.t0))
         return earliest
 
     def _expires_by(self, h: Holding, ttl: float) -> float:
@@ -628,7 +678,7 @@ class _Checker:
         h = self.by_token.get(lock.owner)
         if h is None:
             # guard locks, and a worker's start probe (celery_dedup.startup), own no message
-            if not lock.owner.startswith(("guard:", "probe:")):
+            if not lock.owner.startswith(("guard:", "probe:")) and not self._guessed(scan, lock):
                 self.report(Kind.LEAK, lock.key, f"lock of {lock.task_id} has an unknown owner")
             return
         if h.gone_by + self.m < scan.t0:
@@ -648,6 +698,163 @@ class _Checker:
                 f"lock of {h.call.task_id} lives {expires_no_earlier - h.expires_by:.3f}s "
                 "past its TTL",
             )
+
+    def _guessed(self, scan: Scan, lock: Seen) -> bool:
+        """A capped call's guessed token, seen while that call could still hold it."""
+        return token_start(lock.owner) is not None and any(
+            call.max_wait is not None and call.t0 <= scan.t1 and scan.t0 <= call.t1
+            for call in self.calls_of[lock.key]
+        )
+
+    def check_covered(self) -> None:
+        """Every ``cancel_running`` or capped call's work is done, or handed on.
+
+        Done: its own message's body ran to its end (success or failure,
+        not interrupted) with its arguments. Handed on: a later call of the
+        key published over it (that call's own work is judged the same
+        way), a revoke or a ``CancelTimeout`` of the key came after it, or
+        it carried ``expires``.
+        """
+        for key, calls in self.calls_of.items():
+            for call in calls:
+                judged = call.cancel or call.max_wait is not None
+                if not judged or call.outcome not in ("published", "deduplicated"):
+                    continue
+                if self._done(call) or self._handed_on(call, calls):
+                    continue
+                runs = self.by_token.get(call.token)
+                ends = sorted({e.outcome for e in runs.of("end")}) if runs else []
+                self.report(
+                    Kind.UNCOVERED,
+                    key,
+                    f"{call.seq or call.task_id} ({call.outcome}; its runs ended: "
+                    f"{', '.join(ends) or 'none'}) was neither run to its end nor "
+                    "taken over by a later call",
+                )
+
+    def _done(self, call: Call) -> bool:
+        h = self.by_token.get(call.token) if call.outcome == "published" else None
+        return h is not None and any(
+            e.outcome in ("success", "failure") and (not call.seq or e.seq == call.seq)
+            for e in h.of("end")
+        )
+
+    def _handed_on(self, call: Call, calls: Sequence[Call]) -> bool:
+        if call.expires_at is not None:
+            return True
+        if any(r.key == call.key and r.t1 > call.t0 for r in self.trace.revokes):
+            return True
+        return any(
+            other is not call
+            and other.t1 > call.t0
+            and (
+                other.outcome == "cancel_timeout"
+                or (other.outcome == "published" and other.replace)
+            )
+            for other in calls
+        )
+
+    def check_cancel_overlaps(self) -> None:
+        """Two runs of a ``cancel_running`` key overlap only while a cancelled one ends.
+
+        The earlier run must have been interrupted, by a cancelling call
+        made after it started and before the later run started, and its
+        worker must have terminated it (``revoked``) before the later run
+        started (give or take ``CUT_SLACK``). Also
+        allowed: the earlier run's lock was gone by its policy
+        (``unique_until="start"``) or could have expired before the later
+        run's call.
+        """
+        for key, holdings in self.by_key.items():
+            cancels = [c for c in self.calls_of[key] if c.cancel]
+            if not cancels:
+                continue
+            spans = sorted(
+                ((start, end, h) for h in holdings for start, end in self._spans(h)),
+                key=lambda span: span[0].t,
+            )
+            for i, (start, end, h) in enumerate(spans):
+                for later_start, _, later in spans[i + 1 :]:
+                    if later_start.t + self.m >= end.t or later is h:
+                        continue
+                    if self._overlap_allowed(start, end, h, later_start, later, cancels):
+                        continue
+                    self.report(
+                        Kind.CANCEL_OVERLAP,
+                        key,
+                        f"{later.call.seq or later.call.task_id} started "
+                        f"{end.t - later_start.t:.3f}s before the run of "
+                        f"{h.call.seq or h.call.task_id} ended ({end.outcome})",
+                    )
+
+    def _overlap_allowed(
+        self,
+        start: Event,
+        end: Event,
+        h: Holding,
+        later_start: Event,
+        later: Holding,
+        cancels: Sequence[Call],
+    ) -> bool:
+        if h.call.until == "start":
+            return True
+        if later.call.t0 + self.m >= h.call.t0 + h.call.unique_for + h.call.countdown:
+            return True
+        cut = h.first("revoked")
+        return (
+            end.outcome == "interrupted"
+            and cut - CUT_SLACK <= later_start.t
+            and any(c.t1 > start.t and c.t0 < later_start.t for c in cancels)
+        )
+
+    def check_capped(self) -> None:
+        """A capped debounce's burst runs within ``debounce_max_wait`` of its first call.
+
+        A burst's first call is taken as late as the trace allows: the first
+        call after the key's last run start (or revoke, drop, skip, or
+        other policy's call) before the judged call, at that call's end.
+        Reported when a run of the key started after the deadline and none
+        started between that point and the deadline, unless a revoke of the
+        key came in between (it may have dropped the burst's run).
+        """
+        for key, calls in self.calls_of.items():
+            starts = sorted(e.t for h in self.by_key[key] for e in h.of("start"))
+            stops = [
+                e.t
+                for h in self.by_key[key]
+                for e in h.events
+                if e.kind in ("start", "skipped", "revoked")
+            ]
+            revokes = [r for r in self.trace.revokes if r.key == key]
+            stops += [r.t1 for r in revokes]
+            stops += [c.t1 for c in calls if c.max_wait is None]
+            stops += [c.t0 + c.unique_for + c.countdown for c in calls if c.outcome == "published"]
+            judged: set[float] = set()
+            for call in calls:
+                if call.max_wait is None or call.outcome not in ("published", "deduplicated"):
+                    continue
+                if call.expires_at is not None:
+                    continue
+                boundary = max((t for t in stops if t < call.t0), default=-INF)
+                burst = [c for c in calls if boundary < c.t0 <= call.t0]
+                first = min(c.t1 for c in burst)
+                if first in judged:
+                    continue
+                judged.add(first)
+                cap = max(c.max_wait or 0.0 for c in burst)
+                deadline = first + cap + CAP_SLACK
+                if any(boundary < t <= deadline for t in starts):
+                    continue
+                if any(r.t1 >= first and r.t0 <= deadline for r in revokes):
+                    continue  # a revoke may have dropped the burst's run
+                late = [t for t in starts if t > deadline]
+                if late:
+                    self.report(
+                        Kind.LATE,
+                        key,
+                        f"the burst of {call.seq or call.task_id} (first call at "
+                        f"{first:.3f}, cap {cap:g}s) ran first {late[0] - first:.3f}s after it",
+                    )
 
     def check_revokes(self) -> None:
         for revoke in self.trace.revokes:
@@ -724,6 +931,9 @@ def check(trace: Trace, margin: float = MARGIN, ttl_slack: float = 0.0) -> list[
     checker.check_publishes()
     checker.check_executions()
     checker.check_coalesced()
+    checker.check_cancel_overlaps()
+    checker.check_covered()
+    checker.check_capped()
     checker.check_suppressions()
     checker.check_scans()
     checker.check_revokes()

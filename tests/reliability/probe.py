@@ -25,7 +25,7 @@ from celery.signals import (
     worker_ready,
 )
 
-from celery_dedup import DuplicateTaskError, dedup_key_for
+from celery_dedup import CancelTimeout, DuplicateTaskError, dedup_key_for
 from celery_dedup.header import HEADER, read_header
 from celery_dedup.options import pop_call_options
 from celery_dedup.signals import task_skipped
@@ -144,7 +144,10 @@ def token_of(task: Any, task_id: str) -> str:
 
 
 def body_event(task: Any, recorder: Recorder, kind: str, **fields: Any) -> Event:
-    """Record ``kind`` from inside the body of ``task``'s current run."""
+    """Record ``kind`` from inside the body of ``task``'s current run.
+
+    ``seq`` (a field) names the call whose arguments the run carries.
+    """
     t = time.time()
     request = task.request
     event = Event(
@@ -241,20 +244,31 @@ class Producer:
         task: Any,
         args: Sequence[Any] = (),
         kwargs: Mapping[str, Any] | None = None,
+        *,
+        seq: str = "",
         **options: Any,
     ) -> Any:
-        """``task.apply_async(args, kwargs, **options)``, recorded; re-raises its errors."""
+        """``task.apply_async(args, kwargs, **options)``, recorded; re-raises its errors.
+
+        ``seq`` names the call in the record (its plan carries it to the body).
+        A ``CancelTimeout`` is recorded as outcome ``cancel_timeout``.
+        """
         call = task.dedup_config().resolve(pop_call_options(dict(options)))
         key = dedup_key_for(task, args, kwargs, **options) or ""
         countdown = float(options.get("countdown") or 0.0)
+        policy = call.on_duplicate.value
         common: dict[str, Any] = {
             "key": key,
             "until": call.unique_until.value,
             "unique_for": float(call.unique_for or 0.0),
-            # keep_last takes the lock over as replace does (and adds a run gate).
-            "replace": call.on_duplicate.value in ("replace", "keep_last"),
-            "keep_last": call.on_duplicate.value == "keep_last",
+            # keep_last and cancel_running take the lock over as replace does
+            # (keep_last adds a run gate; cancel_running waits for a running holder).
+            "replace": policy in ("replace", "keep_last", "cancel_running"),
+            "keep_last": policy == "keep_last",
+            "cancel": policy == "cancel_running",
+            "max_wait": call.debounce_max_wait if policy == "replace" else None,
             "countdown": countdown,
+            "seq": seq,
         }
         _published.last = None
         t0 = time.time()
@@ -266,6 +280,12 @@ class Producer:
             self._record(
                 Call(t0=t0, t1=time.time(), outcome="raised", task_id=exc.existing_task_id,
                      **common)
+            )
+            raise
+        except CancelTimeout:
+            # Nothing published, no lock held: the caller saw the refusal.
+            self._record(
+                Call(t0=t0, t1=time.time(), outcome="cancel_timeout", task_id="", **common)
             )
             raise
         except Exception:

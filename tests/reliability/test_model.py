@@ -7,6 +7,8 @@ from typing import Any
 
 import pytest
 
+from celery_dedup.debounce import owner_token
+
 from .model import Call, Event, Kind, Revoke, Scan, Seen, Trace, check, holdings
 
 KEY = "celery-dedup:rel.work:" + "a" * 64
@@ -373,3 +375,138 @@ def test_a_copy_that_runs_the_body_again_is_still_a_duplicate() -> None:
         events=[*run("ta", "A", 1.0), *run("ta", "A", 3.0, pid=2)],
     )
     assert Kind.DUPLICATE in kinds(trace)
+
+
+# -- cancel_running and capped debounce ----------------------------------------
+
+
+def cancelling(t0: float, tid: str, tok: str, seconds: float = 0.01, **kw: Any) -> Call:
+    """A ``cancel_running`` call in [t0, t0 + seconds] (it waited for a running holder)."""
+    call = published(t0, tid, tok, replace=True, cancel=True, seq=tid, **kw)
+    return replace(call, t1=t0 + seconds)
+
+
+def capped(t0: float, tid: str, tok: str, countdown: float = 1.0, **kw: Any) -> Call:
+    """A ``replace`` call with a ``countdown`` capped by ``debounce_max_wait=1``."""
+    return published(t0, tid, tok, replace=True, max_wait=1.0, countdown=countdown, seq=tid, **kw)
+
+
+def seq_run(tok: str, tid: str, t: float, seq: str = "", **kw: Any) -> list[Event]:
+    """``run`` with the body's records naming the call ``seq`` (``tid`` by default)."""
+    return [
+        replace(e, seq=seq or tid) if e.kind in ("start", "end") else e
+        for e in run(tok, tid, t, **kw)
+    ]
+
+
+def interrupted(tok: str, tid: str, t: float, cut: float, end: float) -> list[Event]:
+    """A run started at ``t``, terminated at ``cut`` (worker: revoked), cleaned up by ``end``."""
+    common: dict[str, Any] = {"token": tok, "task_id": tid, "pid": 1}
+    return [
+        Event("prerun", t=t, **common),
+        Event("start", t=t + 0.01, seq=tid, **common),
+        Event("revoked", t=cut, outcome="revoked", **{**common, "pid": 9}),
+        Event("end", t=end, outcome="interrupted", seq=tid, **common),
+        Event("postrun", t=end + 0.01, outcome="FAILURE", **common),
+    ]
+
+
+def test_a_cancelled_run_ends_beside_the_run_of_its_canceller() -> None:
+    """B cancels A's running body; B's run starts while A's cleanup still runs: allowed."""
+    trace = Trace(
+        calls=[cancelling(0.0, "A", "ta"), cancelling(1.2, "B", "tb", seconds=0.2)],
+        events=sorted(
+            [*interrupted("ta", "A", 1.0, cut=1.3, end=1.6), *seq_run("tb", "B", 1.5)],
+            key=lambda e: e.t,
+        ),
+        scans=[scan(1.25, ("ta", "A", 10.0)), scan(1.45, ("tb", "B", 11.4))],
+    )
+    assert check(trace) == []
+
+
+def test_an_overlap_of_cancel_running_runs_is_reported_outside_the_cleanup() -> None:
+    """A run beside one nobody interrupted, or one interrupted only after it started."""
+    calls = [cancelling(0.0, "A", "ta"), cancelling(1.2, "B", "tb", seconds=0.2)]
+    beside = Trace(
+        calls=calls, events=[*seq_run("ta", "A", 1.0, seconds=1.0), *seq_run("tb", "B", 1.5)]
+    )
+    assert kinds(beside) == [Kind.CANCEL_OVERLAP]
+    # B's run started long before A's worker terminated it (for C).
+    before = Trace(
+        calls=[calls[0], calls[1], cancelling(2.3, "C", "tc", seconds=0.2)],
+        events=[
+            *interrupted("ta", "A", 1.0, cut=2.5, end=2.6),
+            *seq_run("tb", "B", 1.5, seconds=1.0),
+            *seq_run("tc", "C", 2.7),
+        ],
+    )
+    assert kinds(before) == [Kind.CANCEL_OVERLAP]
+
+
+def test_a_cancelled_call_must_be_covered_by_a_later_call() -> None:
+    """A's run was terminated; nothing came after it: A's work was lost."""
+    trace = Trace(
+        calls=[cancelling(0.0, "A", "ta")],
+        events=interrupted("ta", "A", 1.0, cut=1.3, end=1.35),
+    )
+    assert kinds(trace) == [Kind.UNCOVERED]
+    # The canceller's own run covers A, unless that run was terminated in turn.
+    canceller = cancelling(1.2, "B", "tb", seconds=0.2)
+    covered = Trace(
+        calls=[trace.calls[0], canceller],
+        events=[*trace.events, *seq_run("tb", "B", 1.5)],
+    )
+    assert check(covered) == []
+    cut_too = Trace(
+        calls=[trace.calls[0], canceller],
+        events=[*trace.events, *interrupted("tb", "B", 1.5, cut=1.7, end=1.75)],
+    )
+    assert kinds(cut_too) == [Kind.UNCOVERED]
+
+
+def test_a_cancel_timeout_is_a_refusal_and_lets_the_holders_lock_go() -> None:
+    """Nothing published, no lock; the terminated holder's lock may be gone early (no missing
+    lock) and its work was refused to a caller (not uncovered)."""
+    timeout = replace(
+        cancelling(1.2, "", "", seconds=5.0), outcome="cancel_timeout", token="", task_id=""
+    )
+    trace = Trace(
+        calls=[cancelling(0.0, "A", "ta"), timeout],
+        events=interrupted("ta", "A", 1.0, cut=1.3, end=1.35),
+        scans=[scan(2.0)],
+    )
+    assert check(trace) == []
+
+
+def test_a_capped_debounce_runs_its_last_call_within_the_cap() -> None:
+    """Two calls, one run with the last one's arguments, on time; late or wrong: reported."""
+    calls = [capped(0.0, "A", "ta"), capped(0.3, "B", "tb")]
+    replaced = [
+        Event("prerun", "ta", "A", 1.0, pid=2),
+        Event("skipped", "ta", "A", 1.01, outcome="replaced", pid=2),
+        Event("postrun", "ta", "A", 1.02, outcome="IGNORED", pid=2),
+    ]
+    on_time = Trace(calls=calls, events=[*replaced, *seq_run("tb", "B", 1.2)])
+    assert check(on_time) == []
+    late = Trace(calls=calls, events=[*replaced, *seq_run("tb", "B", 6.0)])
+    assert kinds(late) == [Kind.LATE]
+    # A revoke during the burst may have dropped its run: nothing certain.
+    dropped = replace(late, revokes=[Revoke(KEY, "B", 0.5, 0.51, "not_held")])
+    assert check(dropped) == []
+    wrong_args = Trace(calls=calls, events=[*replaced, *seq_run("tb", "B", 1.2, seq="A")])
+    assert kinds(wrong_args) == [Kind.UNCOVERED]
+
+
+def test_a_capped_calls_guessed_token_is_seen_only_during_the_call() -> None:
+    """The re-keyed take-over: a lock under a burst token nobody published, seen while a
+    capped call ran, is its guess; seen at any other time, a leak."""
+    guess = owner_token(0.0)
+    call = replace(capped(0.0, "A", "ta"), t1=0.2)
+    during = Trace(
+        calls=[call],
+        events=seq_run("ta", "A", 1.2),
+        scans=[scan(0.1, (guess, "A", 10.0))],
+    )
+    assert check(during) == []
+    after = replace(during, scans=[scan(3.0, (guess, "A", 10.0))])
+    assert kinds(after) == [Kind.LEAK]

@@ -53,7 +53,7 @@ def describe(trace: Trace) -> str:
     """What a run exercised, for its report."""
     calls = Counter(c.outcome for c in trace.calls)
     events = Counter(
-        f"{e.kind}:{e.outcome}" if e.kind in ("postrun", "skipped", "revoked") else e.kind
+        f"{e.kind}:{e.outcome}" if e.kind in ("postrun", "skipped", "revoked", "end") else e.kind
         for e in trace.events
     )
     revokes = Counter(r.outcome for r in trace.revokes)
@@ -124,6 +124,10 @@ def test_soak_finds_no_violation(
     assert outcomes["published"] > plan.calls // 10 and outcomes["deduplicated"] > 0, report
     assert outcomes["raised"] > 0 and len(trace.revokes) > 0, report
     assert any(c.keep_last and c.outcome == "published" for c in trace.calls), report
+    # cancel_running terminated running bodies; capped debounces published.
+    assert any(c.cancel and c.outcome == "published" for c in trace.calls), report
+    assert any(e.kind == "end" and e.outcome == "interrupted" for e in trace.events), report
+    assert any(c.max_wait is not None and c.outcome == "published" for c in trace.calls), report
     kinds = Counter(e.kind for e in trace.events)
     assert kinds["start"] > 0 and kinds["skipped"] > 0 and kinds["revoked"] > 0, report
     assert all(k in Kind for k in Kind)

@@ -4,10 +4,16 @@ The soak:
 
 Every key has a fixed profile (its ``unique_until``, a short or long
 ``unique_for``, ``deterministic_id`` or not; every seventh key is coalesced
-with ``on_duplicate="keep_last"``); every other key's call draws its own
+with ``on_duplicate="keep_last"``, and of another seventh half the keys
+cancel the running call with ``on_duplicate="cancel_running"`` and half
+debounce with a cap: ``on_duplicate="replace"``, a ``countdown`` on every
+call and ``debounce_max_wait``); every other key's call draws its own
 ``on_duplicate``, ``countdown``/``expires`` and what its body will do (sleep,
 fail, retry with a countdown), and some published calls are revoked shortly
-after. Producers pace their calls to a fixed total rate.
+after. ``cancel_running`` bodies sleep longer, so calls find them running
+and terminate them. Every call is named (``seq``) in its plan, so the
+checker knows whose arguments each run carried. Producers pace their calls
+to a fixed total rate.
 
 CI runs the short form; ``DEDUP_SOAK_FULL=1`` runs the full one (10 000 calls
 over 500 keys at ~100 calls/s); ``DEDUP_SOAK_SEED`` replays a run.
@@ -21,7 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from celery_dedup import DuplicateTaskError
+from celery_dedup import CancelTimeout, DuplicateTaskError
 from celery_dedup.runtime import runtime_for
 
 from .apps import make_app, work_task
@@ -30,6 +36,13 @@ from .probe import Producer, Recorder
 __all__ = ["SoakPlan", "Workload", "produce", "race"]
 
 UNTILS = ("start", "success", "finish", "expiry")
+
+#: ``cancel_running`` keys: never ``"start"`` (its runs hold no lock, so a
+#: new call runs beside them as documented: nothing to cancel)
+CANCEL_UNTILS = ("success", "finish", "expiry")
+#: a capped debounce's ``debounce_max_wait``, and its calls' countdowns
+MAX_WAIT = 0.6
+DEBOUNCE_COUNTDOWN = (0.3, 1.5)
 
 
 @dataclass(frozen=True)
@@ -64,13 +77,29 @@ class Workload:
     max_countdown: float = 1.5
 
     @staticmethod
-    def profile(n: int) -> dict[str, Any]:
+    def policy(n: int) -> str | None:
+        """The ``on_duplicate`` fixed for key ``n`` (``capped``: replace with a cap), if any."""
+        if n % 7 == 3:
+            # keep_last is a key's policy (one run at a time is per key).
+            return "keep_last"
+        if n % 7 == 5:
+            return "cancel_running" if (n // 7) % 2 == 0 else "capped"
+        return None
+
+    @classmethod
+    def profile(cls, n: int) -> dict[str, Any]:
         """The options fixed per key."""
-        return {
+        options: dict[str, Any] = {
             "unique_until": UNTILS[n % 4],
             "unique_for": 8.0 if n % 3 == 0 else (0.8, 1.5)[n % 2],
             "deterministic_id": n % 5 == 0,
         }
+        if cls.policy(n) == "cancel_running":
+            # A TTL longer than any run: only a cancel ends a running holder's lock.
+            options.update(
+                unique_until=CANCEL_UNTILS[(n // 7) % 3], unique_for=8.0, cancel_wait=5.0
+            )
+        return options
 
     def next_call(self) -> tuple[int, dict[str, Any], dict[str, Any], float | None]:
         """``(n, plan, options, revoke_after)`` of the next call."""
@@ -79,18 +108,24 @@ class Workload:
         options = self.profile(n)
         pick = rng.random()
         on_duplicate = "existing" if pick < 0.7 else "raise" if pick < 0.85 else "replace"
-        if n % 7 == 3:
-            # keep_last is a key's policy (one run at a time is per key): every call.
-            on_duplicate = "keep_last"
-        options["on_duplicate"] = on_duplicate
+        policy = self.policy(n)
+        options["on_duplicate"] = on_duplicate if policy is None else policy
         pick = rng.random()
-        if pick < 0.10:
+        if policy == "capped":
+            options.update(
+                on_duplicate="replace",
+                debounce_max_wait=MAX_WAIT,
+                countdown=round(rng.uniform(*DEBOUNCE_COUNTDOWN), 3),
+            )
+        elif pick < 0.10:
             options["countdown"] = round(rng.uniform(0.2, self.max_countdown), 3)
         elif pick < 0.13:
             options["expires"] = -1.0
         elif pick < 0.16:
             options.update(countdown=1.0, expires=0.3)
         plan: dict[str, Any] = {"sleep": round(rng.uniform(0.0, 0.1), 3)}
+        if policy == "cancel_running":
+            plan["sleep"] = round(rng.uniform(0.1, 0.5), 3)
         pick = rng.random()
         if pick < 0.08:
             plan["fail"] = True
@@ -121,9 +156,10 @@ def produce(
         revoke_due(due)
         time.sleep(max(0.0, due - time.time()))
         n, body, options, revoke_after = workload.next_call()
+        body["seq"] = seq = f"{index}-{i}"
         try:
-            result = producer.call(task, (n, body), **options)
-        except DuplicateTaskError:
+            result = producer.call(task, (n, body), seq=seq, **options)
+        except (DuplicateTaskError, CancelTimeout):
             continue
         if revoke_after is not None and not result.deduplicated:
             revokes.append((time.time() + revoke_after, result))
