@@ -329,8 +329,9 @@ class QueuedTakeOver(Protocol):
     """**Protocol:** a store that can take a key over from a holder that has not started.
 
     ``on_duplicate="cancel_running"`` then cancels a queued holder in two
-    round trips (this take-over and the revoke marker), as ``replace`` does;
-    a store without it revokes the holder, then acquires (three).
+    round trips (this take-over and the revoke marker), as ``replace`` does,
+    or one with ``RevokingTakeOver``; a store without it revokes the holder,
+    then acquires (three).
     """
 
     def take_over_queued(
