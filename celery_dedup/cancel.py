@@ -7,8 +7,9 @@ hold the key together, and the old run's end (owner-checked) can never free
 the new holder's lock.
 
 - A **queued** holder (not started) is taken over and its owner token
-  refused at start: two round trips on a ``QueuedTakeOver`` store (as
-  ``replace``), else a revoke (its lock deleted) and an acquire. If the
+  refused at start: one round trip on a ``RevokingTakeOver`` store (as
+  ``replace``), two on another ``QueuedTakeOver`` store, else a revoke (its
+  lock deleted) and an acquire. If the
   new call's publish fails, the key goes back to it (``DedupTask._restore``).
 - A **running** holder is revoked in the store (its lock is kept while it
   runs) and terminated with ``cancel_signal`` through the ``dedup_terminate``
@@ -32,7 +33,7 @@ from .exceptions import CancelOwnRunError, CancelTimeout
 from .identity import deterministic_task_id
 from .lifecycle import DedupTaskLike
 from .signals import holder_cancelled
-from .stores.base import Lock, LockStore, QueuedTakeOver, RevokeOutcome
+from .stores.base import Lock, LockStore, QueuedTakeOver, RevokeOutcome, revoking_take_over
 from .worker import header_of
 
 __all__ = ["POLICY", "cancel_and_acquire", "dismiss", "in_canvas"]
@@ -75,8 +76,9 @@ def cancel_and_acquire(
     Returns the queued holder the key was taken from (revoked: its start is
     refused), for the caller to restore if its publish fails and to dismiss
     (``dismiss``) once it succeeded; ``None`` when the key was free or its
-    holder was a running one that ended. One round trip on a free key, two
-    over a queued holder on a ``QueuedTakeOver`` store (as ``replace``).
+    holder was a running one that ended. One round trip on a free key, and
+    over a queued holder on a ``RevokingTakeOver`` store (two on another
+    ``QueuedTakeOver`` store), as ``replace``.
     Raises ``CancelTimeout`` when the key is still held ``wait`` seconds
     after the first cancel.
     """
@@ -86,7 +88,17 @@ def cancel_and_acquire(
     pause = _POLL
     while True:
         revoked_ttl = runtime.settings.revoked_ttl
-        if isinstance(store, QueuedTakeOver):
+        revoking = revoking_take_over(store)
+        if revoking is not None:
+            # A queued holder is taken over and its marker written in one step.
+            holder = revoking.take_over_revoking(
+                key, owner, ttl, meta, revoked_ttl, queued_only=True
+            )
+            if holder is None or holder.owner == owner:
+                return None
+            if not holder.started:
+                return holder
+        elif isinstance(store, QueuedTakeOver):
             holder = store.take_over_queued(key, owner, ttl, meta)
             if holder is None or holder.owner == owner:
                 return None

@@ -59,7 +59,7 @@ from .results import DeduplicatedResult, mark_result
 from .runs import DELIVERY_FIELD
 from .runtime import Runtime, runtime_for
 from .signals import lock_acquired, lock_replaced, task_deduplicated
-from .stores.base import Lock, LockStore
+from .stores.base import Lock, LockStore, revoking_take_over
 
 __all__ = ["DedupTask"]
 
@@ -763,11 +763,16 @@ class DedupTask(_Task):
         progress is not stopped by it: only its copies, should its worker
         die, are refused. ``keep_last`` relies on that: ``coalesce``.)
         """
+        revoked_ttl = self.dedup_config().runtime.settings.revoked_ttl
+        revoking = revoking_take_over(store)
+        if revoking is not None:
+            # One round trip: the store writes the marker with the take-over.
+            previous = revoking.take_over_revoking(key, owner, ttl, meta, revoked_ttl)
+            return None if previous is None or previous.owner == owner else previous
         previous = store.take_over(key, owner, ttl, meta)
         if previous is None or previous.owner == owner:
             return None
-        revoked_ttl = max(previous.ttl, self.dedup_config().runtime.settings.revoked_ttl)
-        store.revoke(key, previous.owner, revoked_ttl)
+        store.revoke(key, previous.owner, max(previous.ttl, revoked_ttl))
         return previous
 
     def _restore(

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
 from billiard.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
 
@@ -36,6 +36,7 @@ __all__ = [
     "PASS_THROUGH",
     "RECORD_POLICIES",
     "REVOKED_POLICY",
+    "REVOKED_PREFIX",
     "RUNNING_POLICY",
     "Claim",
     "ClaimOutcome",
@@ -52,6 +53,7 @@ __all__ = [
     "RateSupport",
     "RateWindow",
     "RevokeOutcome",
+    "RevokingTakeOver",
     "RunOutcome",
     "RunRecords",
     "RunRef",
@@ -61,6 +63,7 @@ __all__ = [
     "os_error_kind",
     "refused_unless_passed",
     "revoked_marker_key",
+    "revoking_take_over",
     "run_record_key",
     "server_answer",
     "store_error",
@@ -91,6 +94,10 @@ DONE_POLICY = "run-done"
 RECORD_POLICIES = frozenset({REVOKED_POLICY, RUNNING_POLICY, DONE_POLICY})
 
 
+#: The namespace of ``revoked_marker_key`` (SQL builds the same key in a statement).
+REVOKED_PREFIX = "celery-dedup-revoked:"
+
+
 def revoked_marker_key(key: str, owner: str) -> str:
     """The store key of the revoked marker of ``owner`` on ``key``.
 
@@ -99,7 +106,7 @@ def revoked_marker_key(key: str, owner: str) -> str:
     in the lock's hash slot instead.)
     """
     digest = hashlib.sha256(f"{key}\x00{owner}".encode()).hexdigest()
-    return f"celery-dedup-revoked:{digest}"
+    return f"{REVOKED_PREFIX}{digest}"
 
 
 def run_record_key(key: str, owner: str, attempt: str) -> str:
@@ -351,8 +358,9 @@ class QueuedTakeOver(Protocol):
     """**Protocol:** a store that can take a key over from a holder that has not started.
 
     ``on_duplicate="cancel_running"`` then cancels a queued holder in two
-    round trips (this take-over and the revoke marker), as ``replace`` does;
-    a store without it revokes the holder, then acquires (three).
+    round trips (this take-over and the revoke marker), as ``replace`` does,
+    or one with ``RevokingTakeOver``; a store without it revokes the holder,
+    then acquires (three).
     """
 
     def take_over_queued(
@@ -363,6 +371,50 @@ class QueuedTakeOver(Protocol):
         One round trip, atomic. Returns the previous live holder, or ``None``
         if the key was free; a started holder is returned and keeps the key.
         """
+
+
+@runtime_checkable
+class RevokingTakeOver(Protocol):
+    """**Protocol:** a store whose take-over writes the displaced owner's revoked marker itself.
+
+    ``replace`` and ``keep_last`` on a held key, and ``cancel_running`` over
+    a queued holder, then cost one round trip instead of two (a
+    ``take_over`` and a ``revoke``).
+    """
+
+    def take_over_revoking(
+        self,
+        key: str,
+        owner: str,
+        ttl: float,
+        meta: LockMeta,
+        revoked_ttl: float,
+        *,
+        queued_only: bool = False,
+    ) -> Lock | None:
+        """``take_over`` (``take_over_queued`` if ``queued_only``), and revoke the displaced owner.
+
+        When the key was taken from another live owner, writes that owner's
+        revoked marker (as ``revoke`` does) living the longer of the
+        holder's remaining TTL and ``revoked_ttl`` seconds (a longer marker
+        is kept). A started holder that keeps the key (``queued_only``) is
+        returned and nothing is written. One round trip, atomic; a command
+        re-sent after a lost reply answers what the first one did.
+        Returns the previous live holder, or ``None`` if the key was free.
+        """
+
+
+#: Whether a store class has ``RevokingTakeOver``, decided once per class
+#: (a protocol ``isinstance`` walks every member on each call).
+_REVOKING: dict[type, bool] = {}
+
+
+def revoking_take_over(store: LockStore) -> RevokingTakeOver | None:
+    """``store`` when it takes keys over and revokes in one step (``RevokingTakeOver``)."""
+    revoking = _REVOKING.get(type(store))
+    if revoking is None:
+        revoking = _REVOKING[type(store)] = isinstance(store, RevokingTakeOver)
+    return cast(RevokingTakeOver, store) if revoking else None
 
 
 @runtime_checkable

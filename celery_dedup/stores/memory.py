@@ -127,6 +127,29 @@ class MemoryStore(MemoryLimits):
                 self._new(key, owner, ttl, meta, now)
             return previous
 
+    def take_over_revoking(
+        self,
+        key: str,
+        owner: str,
+        ttl: float,
+        meta: LockMeta,
+        revoked_ttl: float,
+        *,
+        queued_only: bool = False,
+    ) -> Lock | None:
+        """Become the holder (unless started, when ``queued_only``); revoke the displaced owner."""
+        with self._mutex:
+            now = self.clock()
+            previous = self._live(key, now)
+            if previous is not None and queued_only and previous.started:
+                return previous
+            if previous is not None and previous.owner != owner:
+                until = now + max(previous.expires_at - now, revoked_ttl)
+                marker = (key, previous.owner)
+                self._revoked[marker] = max(self._revoked.get(marker, 0.0), until)
+            self._new(key, owner, ttl, meta, now)
+            return previous
+
     def claim(
         self, key: str, owner: str, *, release: bool, ttl: float | None, meta: LockMeta
     ) -> Claim:

@@ -205,11 +205,21 @@ if v then
 end
 """
 
-# The tail of both: remember the answer for a re-sent command, take the key.
+# The tail of both: remember the answer for a re-sent command, write the
+# displaced owner's revoked marker when asked (as REVOKE: a longer one is
+# kept; its key is ARGV[5] followed by the owner, decoded), take the key.
 _TAKE_OVER_TAIL = """
 redis.call('set', KEYS[2], ARGV[4] .. '|' .. (previous and cjson.encode(previous) or ''),
            'PX', 60000)
-write(KEYS[1], ARGV[1], ARGV[2], 5)
+local displaced = ARGV[5] ~= '' and v and not owns(v, ARGV[3]) and string.match(v, '^..([^|]*)|')
+if displaced then
+    local m = ARGV[5] .. string.gsub(string.gsub(displaced, '%%7C', '|'), '%%25', '%%')
+    local ttl = math.max(previous[1], tonumber(ARGV[6]))
+    if redis.call('pttl', m) < ttl then
+        redis.call('set', m, '1', 'PX', ttl)
+    end
+end
+write(KEYS[1], ARGV[1], ARGV[2], 7)
 return previous
 """
 
@@ -219,7 +229,10 @@ return previous
 # ARGV[1..2] - as ACQUIRE
 # ARGV[3] - owner token (encoded)
 # ARGV[4] - a nonce of this call (the same in a command re-sent after a lost reply)
-# ARGV[5..] - the hash fields to write instead, on a key of an earlier version
+# ARGV[5] - the revoked marker key of the displaced owner without the owner
+#           (same hash slot), or "" to write no marker
+# ARGV[6] - the marker's ttl in milliseconds when longer than the holder's
+# ARGV[7..] - the hash fields to write instead, on a key of an earlier version
 # return nil when the key was free, else the previous holder (both scripts)
 TAKE_OVER = _TAKE_OVER_HEAD + _TAKE_OVER_TAIL
 
@@ -740,24 +753,49 @@ class RedisStore(RedisLimits):
 
     def take_over(self, key: str, owner: str, ttl: float, meta: LockMeta) -> Lock | None:
         """Make ``owner`` the holder; return the previous one (one EVALSHA)."""
-        mine = _enc(owner)
-        record = _pack(key, mine, meta, False)
-        keys = [self._k(key), self._marker(key, owner, "replaced")]
-        nonce = secrets.token_hex(6)
-        args = [record, _ms(ttl), mine, nonce, *_legacy_fields(key, owner, meta)]
-        raw = self._run(self._take_over, keys, args)
-        return self._lock(key, raw)
+        return self._take(self._take_over, key, owner, ttl, meta, None)
 
     def take_over_queued(
         self, key: str, owner: str, ttl: float, meta: LockMeta
     ) -> Lock | None:
         """``take_over`` unless a started holder holds the key (one EVALSHA)."""
+        return self._take(self._take_over_queued, key, owner, ttl, meta, None)
+
+    def take_over_revoking(
+        self,
+        key: str,
+        owner: str,
+        ttl: float,
+        meta: LockMeta,
+        revoked_ttl: float,
+        *,
+        queued_only: bool = False,
+    ) -> Lock | None:
+        """``take_over`` (or ``take_over_queued``) writing the displaced owner's
+        revoked marker in the same script (one EVALSHA: ``RevokingTakeOver``)."""
+        script = self._take_over_queued if queued_only else self._take_over
+        return self._take(script, key, owner, ttl, meta, revoked_ttl)
+
+    def _take(
+        self,
+        script: Script,
+        key: str,
+        owner: str,
+        ttl: float,
+        meta: LockMeta,
+        revoked_ttl: float | None,
+    ) -> Lock | None:
+        """Run a take-over script; with a ``revoked_ttl``, it revokes the displaced owner."""
         mine = _enc(owner)
         record = _pack(key, mine, meta, False)
         keys = [self._k(key), self._marker(key, owner, "replaced")]
         nonce = secrets.token_hex(6)
-        args = [record, _ms(ttl), mine, nonce, *_legacy_fields(key, owner, meta)]
-        raw = self._run(self._take_over_queued, keys, args)
+        if revoked_ttl is None:
+            revoking: list[Any] = ["", ""]
+        else:
+            revoking = [self._marker(key, ""), _ms(revoked_ttl)]
+        args = [record, _ms(ttl), mine, nonce, *revoking, *_legacy_fields(key, owner, meta)]
+        raw = self._run(script, keys, args)
         return self._lock(key, raw)
 
     def claim(

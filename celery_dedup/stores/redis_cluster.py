@@ -1,9 +1,11 @@
 """Redis Cluster lock store: the Redis store's scripts and records, routed by key slot.
 
-Every script of ``stores/redis.py`` touches one lock key and at most that
-lock's revoked marker, which shares its hash slot, all passed in ``KEYS``, so
-redis-py's ``RedisCluster`` sends each ``EVALSHA`` to the primary that owns
-the slot: every operation stays one atomic round trip. A lock is the same
+Every script of ``stores/redis.py`` touches one lock key and keys that share
+its hash slot (revoked markers, run records), passed in ``KEYS`` but for the
+marker of the owner a take-over displaces, named from the record in the
+script (in the same slot), so redis-py's ``RedisCluster`` sends each
+``EVALSHA`` to the primary that owns the slot: every operation stays one
+atomic round trip. A lock is the same
 string as on a single Redis (and an earlier version's hash is honoured the
 same way). ``scan`` walks every primary in turn; the counters live in one
 hash whose name carries a hash tag.

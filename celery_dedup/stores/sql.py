@@ -504,6 +504,35 @@ class SQLStore(SQLLimits):
         row = self._run(lambda d, run: d.take_over_queued(run, params), key)
         return self._previous(key, row)
 
+    def take_over_revoking(
+        self,
+        key: str,
+        owner: str,
+        ttl: float,
+        meta: LockMeta,
+        revoked_ttl: float,
+        *,
+        queued_only: bool = False,
+    ) -> Lock | None:
+        """``take_over`` (``take_over_queued``) revoking the displaced owner (``RevokingTakeOver``).
+
+        One statement on PostgreSQL. MySQL/MariaDB and SQLite revoke in a
+        transaction of their own after the take-over's (two round trips):
+        the marker's lock would come after the key's, the reverse of the
+        order their start check takes them in.
+        """
+        params = self._params(key, owner, ttl, meta)
+        params["b_revoked_ttl"] = float(revoked_ttl)
+        row, revoked = self._run(
+            lambda d, run: d.take_over_revoking(run, params, queued_only=queued_only), key
+        )
+        previous = self._previous(key, row)
+        if revoked or previous is None or previous.owner == owner:
+            return previous
+        if not (queued_only and previous.started):
+            self.revoke(key, previous.owner, max(previous.ttl, revoked_ttl))
+        return previous
+
     @classmethod
     def _previous(cls, key: str, row: Any) -> Lock | None:
         """The previous holder a take-over returned, if it was live."""

@@ -27,10 +27,12 @@ from sqlalchemy import (
     Column,
     Double,
     Index,
+    LargeBinary,
     MetaData,
     String,
     Table,
     and_,
+    cast,
     delete,
     exists,
     false,
@@ -57,6 +59,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.dml import Insert
 from sqlalchemy.sql.expression import (
+    CTE,
     ColumnElement,
     CompoundSelect,
     Executable,
@@ -67,7 +70,14 @@ from sqlalchemy.sql.expression import (
 
 from ..exceptions import ImproperlyConfigured, StoreContention
 from . import E_MISSING_DRIVER
-from .base import DONE_POLICY, RUNNING_POLICY, ClaimOutcome, RevokeOutcome, RunOutcome
+from .base import (
+    DONE_POLICY,
+    REVOKED_PREFIX,
+    RUNNING_POLICY,
+    ClaimOutcome,
+    RevokeOutcome,
+    RunOutcome,
+)
 
 __all__ = [
     "COUNTER_TABLE",
@@ -474,6 +484,18 @@ class _Dialect:
         """``take_over`` unless a live started holder holds the key (returned, nothing written)."""
         raise NotImplementedError
 
+    def take_over_revoking(
+        self, run: _Runner, params: dict[str, Any], *, queued_only: bool
+    ) -> tuple[Any, bool]:
+        """``take_over`` (``take_over_queued`` when ``queued_only``), revoking the displaced
+        owner (``b_revoked_ttl``) when the dialect can in the same statement.
+
+        Returns the previous row and whether its marker was written: when
+        not, the store revokes it in a statement of its own.
+        """
+        take = self.take_over_queued if queued_only else self.take_over
+        return take(run, params), False
+
     def claim(self, run: _Runner, params: dict[str, Any]) -> tuple[ClaimOutcome, Any]:
         """The start check; the outcome and, for ``HELD``, the holder's row."""
         raise NotImplementedError
@@ -556,12 +578,14 @@ class _Postgres(_Dialect):
             .cte("inserted")
         )
         blanks = [null()] * (len(_LOCK_COLUMNS) - 1)
-        self.take_over_stmt = self.render(
-            select(true().label("replaced"), *replaced.c, self.now.label("now")).union_all(
-                select(false(), inserted.c.owner, *blanks, self.now)
-            )
+        take_over = select(true().label("replaced"), *replaced.c, self.now.label("now")).union_all(
+            select(false(), inserted.c.owner, *blanks, self.now)
         )
-        self.take_over_queued_stmt = self.render(self._take_over_queued_statement(values, new))
+        self.take_over_stmt = self.render(take_over)
+        self.take_over_revoking_stmt = self.render(take_over.add_cte(self._revoked(replaced)))
+        queued, taken = self._take_over_queued_statement(values, new)
+        self.take_over_queued_stmt = self.render(queued)
+        self.take_over_queued_revoking_stmt = self.render(queued.add_cte(self._revoked(taken)))
 
         self.claim_stmt = self.render(self._claim_statement(values, new))
         self.revoke_stmt = self.render(self._revoke_statement())
@@ -584,10 +608,49 @@ class _Postgres(_Dialect):
             .values(expires_at=self.now + bindparam("b_lease", type_=Double()))
         )
 
+    def _revoked(self, displaced: CTE) -> CTE:
+        """The upsert of the revoked marker of the live owner a take-over CTE displaced.
+
+        Its key is ``revoked_marker_key`` computed here: the hex SHA-256 of
+        the key, a NUL byte and the owner, as UTF-8. It lives the longer of
+        the holder's remaining time and ``b_revoked_ttl``; a longer marker
+        is kept (as ``revoke``).
+        """
+        utf8: ColumnElement[str] = literal_column("'UTF8'", String())
+        nul = func.decode(literal_column("'00'"), literal_column("'hex'"), type_=LargeBinary())
+        text = (
+            func.convert_to(cast(bindparam("b_key"), String()), utf8, type_=LargeBinary())
+            .op("||", return_type=LargeBinary())(nul)
+            .op("||", return_type=LargeBinary())(
+                func.convert_to(displaced.c.owner, utf8, type_=LargeBinary())
+            )
+        )
+        digest = func.encode(func.sha256(text, type_=LargeBinary()), literal_column("'hex'"))
+        marker = literal_column(f"'{REVOKED_PREFIX}'", String()).op("||", return_type=String())(
+            digest
+        )
+        remaining = displaced.c.expires_at - self.now
+        ins = postgresql.insert(revoked_table).from_select(
+            ["key", "expires_at"],
+            select(
+                marker,
+                self.now + func.greatest(remaining, bindparam("b_revoked_ttl", type_=Double())),
+            ).where(displaced.c.owner != bindparam("b_owner"), displaced.c.expires_at > self.now),
+        )
+        return (
+            ins.on_conflict_do_update(
+                index_elements=[_R.key],
+                set_={"expires_at": func.greatest(_R.expires_at, ins.excluded.expires_at)},
+            )
+            .returning(_R.key)
+            .cte("revoked")
+        )
+
     def _take_over_queued_statement(
         self, values: dict[str, Any], new: dict[str, Any]
-    ) -> CompoundSelect[Any]:
-        """As ``take_over_stmt``, but a live started holder keeps the key (and is returned).
+    ) -> tuple[CompoundSelect[Any], CTE]:
+        """As ``take_over_stmt``, but a live started holder keeps the key (and is returned);
+        with the CTE of the row it took over (for ``_revoked``).
 
         The locking read is a CTE, read once by the three branches: the row
         as it is after waiting for a concurrent writer (a claim that started
@@ -615,10 +678,11 @@ class _Postgres(_Dialect):
             .cte("inserted")
         )
         blanks = [null()] * (len(_LOCK_COLUMNS) - 1)
-        return select(true().label("replaced"), *taken.c, self.now.label("now")).union_all(
+        statement = select(true().label("replaced"), *taken.c, self.now.label("now")).union_all(
             select(true(), *previous, self.now).where(~queued),
             select(false(), inserted.c.owner, *blanks, self.now),
         )
+        return statement, taken
 
     def _run_upsert(
         self,
@@ -795,6 +859,13 @@ class _Postgres(_Dialect):
 
     def take_over_queued(self, run: _Runner, params: dict[str, Any]) -> Any:
         return self._take_over(run, self.take_over_queued_stmt, params)
+
+    def take_over_revoking(
+        self, run: _Runner, params: dict[str, Any], *, queued_only: bool
+    ) -> tuple[Any, bool]:
+        if queued_only:
+            return self._take_over(run, self.take_over_queued_revoking_stmt, params), True
+        return self._take_over(run, self.take_over_revoking_stmt, params), True
 
     @staticmethod
     def _take_over(run: _Runner, statement: _Statement, params: dict[str, Any]) -> Any:

@@ -61,12 +61,17 @@ def test_store_operations_are_single_round_trips(redis_server: RedisServer) -> N
     store.extend("warm", "o", 5)
     store.get("warm")
     store.take_over("warm", "o", 5, meta)
+    store.take_over_revoking("warm", "o", 5, meta, 5)
+    store.take_over_revoking("warm", "o", 5, meta, 5, queued_only=True)
     assert measure(client, lambda: store.acquire("k", "a", 5, meta)) == 1
     assert measure(client, lambda: store.acquire("k", "b", 5, meta)) == 1
     assert measure(client, lambda: store.extend("k", "a", 9)) == 1
     assert measure(client, lambda: store.get("k")) == 1
     assert measure(client, lambda: store.take_over("k", "c", 5, meta)) == 1
-    assert measure(client, lambda: store.release("k", "c")) == 1
+    assert measure(client, lambda: store.take_over_revoking("k", "d", 5, meta, 60)) == 1
+    queued = {"queued_only": True}
+    assert measure(client, lambda: store.take_over_revoking("k", "e", 5, meta, 60, **queued)) == 1
+    assert measure(client, lambda: store.release("k", "e")) == 1
     client.close()
 
 
@@ -93,12 +98,15 @@ def test_apply_async_costs_one_round_trip(redis_server: RedisServer) -> None:
     app.close()
 
 
-def test_cancel_running_and_capped_debounce_round_trips(redis_server: RedisServer) -> None:
-    """cancel_running: 1 round trip on a free key; over a queued holder 2, as a replace
-    (take-over of the queued holder + its revoke marker).
+def test_replace_cancel_running_and_capped_debounce_round_trips(
+    redis_server: RedisServer,
+) -> None:
+    """replace: 1 round trip on a free key, 1 on a held one (the take-over writes the
+    revoked marker of the holder it displaced); cancel_running: 1 on a free key, 1 over
+    a queued holder, as a replace.
 
-    A capped replace costs what a replace costs (take-over + revoke) when
-    this process made the burst's earlier calls.
+    A capped replace costs what a replace costs when this process made the
+    burst's earlier calls.
     """
     client = counting_client(redis_server, 7)
     client.flushdb()
@@ -115,20 +123,27 @@ def test_cancel_running_and_capped_debounce_round_trips(redis_server: RedisServe
     def debounce(x: int) -> int:
         return x
 
+    @app.task(base=DedupTask, shared=False, unique_for=30, on_duplicate="replace")
+    def replace(x: int) -> int:
+        return x
+
     cancel.delay(0)  # loads the scripts
     cancel.delay(0)
     debounce.apply_async((0,), countdown=1)
     assert measure(client, lambda: cancel.delay(1)) == 1
-    assert measure(client, lambda: cancel.delay(1)) == 2  # take_over_queued, revoke
+    assert measure(client, lambda: cancel.delay(1)) == 1  # the queued holder taken, revoked
     assert measure(client, lambda: debounce.apply_async((2,), countdown=1)) == 1
-    assert measure(client, lambda: debounce.apply_async((2,), countdown=1)) == 2
+    assert measure(client, lambda: debounce.apply_async((2,), countdown=1)) == 1
+    assert measure(client, lambda: replace.delay(3)) == 1
+    assert measure(client, lambda: replace.delay(3)) == 1
     client.close()
     app.close()
 
 
 def test_keep_last_round_trips(redis_server: RedisServer) -> None:
-    """keep_last: a call on a free key 1 round trip, on a held key 2 (take-over, revoked
-    marker); an executed run 2, as any run (the run gate rides on its start and end)."""
+    """keep_last: a call on a free key 1 round trip, on a held key 1 (the take-over writes
+    the revoked marker); an executed run 2, as any run (the run gate rides on its start
+    and end)."""
     from celery.contrib.testing.worker import start_worker
 
     client = counting_client(redis_server, 7)
@@ -151,7 +166,7 @@ def test_keep_last_round_trips(redis_server: RedisServer) -> None:
     calls.delay(0)  # loads the scripts
     calls.delay(0)
     assert measure(client, lambda: calls.delay(1)) == 1
-    assert measure(client, lambda: calls.delay(1)) == 2
+    assert measure(client, lambda: calls.delay(1)) == 1
     with start_worker(apps[1], pool="solo", perform_ping_check=False, loglevel="WARNING"):
         runs.delay(2).get(timeout=30)  # the worker's scripts are loaded
         assert measure(client, lambda: runs.delay(3).get(timeout=30)) == 1 + 2
@@ -162,9 +177,10 @@ def test_keep_last_round_trips(redis_server: RedisServer) -> None:
 
 @pytest.mark.postgres
 def test_cancel_running_round_trips_on_postgres(store_postgres: StoreCase) -> None:
-    """On PostgreSQL (autocommit: one statement sent is one round trip) cancel_running costs
-    what it costs on Redis: 1 statement on a free key, 2 over a queued holder (the
-    take-over of the queued holder + its revoke marker), as replace."""
+    """On PostgreSQL (autocommit: one statement sent is one round trip) cancel_running,
+    replace and keep_last cost what they cost on Redis: 1 statement on a free key, 1 on a
+    held one (over a queued holder, for cancel_running): the take-over and the displaced
+    owner's revoked marker are one statement."""
     store = store_postgres.store
     assert isinstance(store, SQLStore)
     app = Celery("rt-pg", broker="memory://", backend="cache+memory://", set_as_current=False)
@@ -177,6 +193,10 @@ def test_cancel_running_round_trips_on_postgres(store_postgres: StoreCase) -> No
 
     @app.task(base=DedupTask, shared=False, unique_for=30, on_duplicate="replace")
     def replace(x: int) -> int:
+        return x
+
+    @app.task(base=DedupTask, shared=False, unique_for=30, on_duplicate="keep_last")
+    def keep_last(x: int) -> int:
         return x
 
     sent: list[str] = []
@@ -193,9 +213,11 @@ def test_cancel_running_round_trips_on_postgres(store_postgres: StoreCase) -> No
     event.listen(store.engine, "before_cursor_execute", record)
     try:
         assert count(lambda: cancel.delay(1)) == 1, sent
-        assert count(lambda: cancel.delay(1)) == 2, sent  # take_over_queued, revoke
+        assert count(lambda: cancel.delay(1)) == 1, sent
         assert count(lambda: replace.delay(1)) == 1, sent
-        assert count(lambda: replace.delay(1)) == 2, sent  # take_over, revoke
+        assert count(lambda: replace.delay(1)) == 1, sent
+        assert count(lambda: keep_last.delay(1)) == 1, sent
+        assert count(lambda: keep_last.delay(1)) == 1, sent
     finally:
         event.remove(store.engine, "before_cursor_execute", record)
         app.close()

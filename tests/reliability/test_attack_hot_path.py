@@ -34,6 +34,7 @@ from celery_dedup.compat.celery_singleton import Singleton
 from celery_dedup.identity import ArgumentBinder, as_delivered
 from celery_dedup.results import DeduplicatedResult
 from celery_dedup.runtime import runtime_for
+from celery_dedup.stores.base import ClaimOutcome
 from celery_dedup.stores.redis import RedisStore
 from tests.core.conftest import make_app, wait_until
 from tests.fixtures._servers import free_port, running
@@ -183,6 +184,40 @@ def test_a_resent_queued_take_over_reports_the_holder_it_took_the_key_from(
         assert holder is not None and holder.owner == "c-token"
         assert previous is not None
         assert (previous.owner, previous.task_id) == ("p-token", "p-id")
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("queued_only", [False, True])
+def test_a_resent_revoking_take_over_answers_the_same_and_keeps_the_marker(
+    dbs: RedisServer, proxy: LostReplyProxy, queued_only: bool
+) -> None:
+    """``take_over_revoking`` (``replace``, ``keep_last``, ``cancel_running``) after a lost
+    reply: the re-sent command names the displaced holder, whose marker the first run
+    wrote: its start is refused even once the new owner released the key."""
+    client = redis.Redis(
+        host="127.0.0.1",
+        port=proxy.port,
+        db=STORE_DB,
+        retry_on_error=[redis.exceptions.ConnectionError],
+    )
+    store = RedisStore(client)
+    script = store._take_over_queued if queued_only else store._take_over
+    try:
+        # script loaded on the server
+        assert store.take_over_revoking("warm", "w", 5, META, 60, queued_only=queued_only) is None
+        assert store.acquire("k", "p-token", 60, {**META, "task_id": "p-id"}) is None
+        proxy.arm(script.sha)
+        previous = store.take_over_revoking(
+            "k", "r-token", 60, {**META, "task_id": "r-id"}, 60, queued_only=queued_only
+        )
+        assert proxy.dropped == 1
+        assert previous is not None
+        assert (previous.owner, previous.task_id) == ("p-token", "p-id")
+        assert store.release("k", "r-token") is True
+        claim = store.claim("k", "p-token", release=False, ttl=60, meta=META)
+        assert claim.outcome is ClaimOutcome.REVOKED
+        assert store.get("k") is None
     finally:
         store.close()
 

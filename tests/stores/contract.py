@@ -29,6 +29,7 @@ from celery_dedup.stores.base import (
     LockStore,
     QueuedTakeOver,
     RevokeOutcome,
+    RevokingTakeOver,
     RunOutcome,
     RunRef,
 )
@@ -42,6 +43,13 @@ OTHER_META = {"task_name": "tests.other", "policy": "finish", "task_id": "id-b"}
 RACE_WORKERS = 8
 RACE_KEYS = [f"race:{i:03d}" for i in range(200)]
 TQ_RACE_KEYS = [f"tq-race:{i:03d}" for i in range(60)]
+
+#: Stores without ``RevokingTakeOver`` (a take-over, then a revoke: two round
+#: trips); every other store must have it.
+WITHOUT_REVOKING_TAKE_OVER = frozenset({"memcached", "cache", "django-cache", "django-db"})
+
+#: An owner token with the characters a Redis record percent-encodes.
+ODD_OWNER = "owner|a%7C%"
 
 
 def wait_until_gone(store: LockStore, key: str, timeout: float = 4.0) -> float:
@@ -265,6 +273,83 @@ class StoreContract:
                 assert claims[key] == "held", (key, claims[key])
                 assert taken[key] == (f"q-{key}", False), key
                 assert (lock.owner, lock.started) == (f"t-{key}", False), key
+
+    def test_take_over_revoking_refuses_the_displaced_owner(self, store_case: StoreCase) -> None:
+        """take_over_revoking() takes the key and revokes its holder in one step: the holder's
+        start is refused even once the new owner released the key; the new owner is not."""
+        store = store_case.store
+        if not isinstance(store, RevokingTakeOver):
+            assert store.name in WITHOUT_REVOKING_TAKE_OVER, store.name
+            return
+        assert store.take_over_revoking("k:rvé", ODD_OWNER, 30, META, 60) is None
+        previous = store.take_over_revoking("k:rvé", "owner-b", 60, OTHER_META, 60)
+        assert previous is not None
+        assert (previous.owner, previous.task_id, previous.started) == (ODD_OWNER, "id-a", False)
+        lock = store.get("k:rvé")
+        assert lock is not None and (lock.owner, lock.task_id) == ("owner-b", "id-b")
+        assert not lock.started and 55 < lock.ttl <= 60.001
+        # The same owner taking its own key again displaces nobody: no marker of itself.
+        again = store.take_over_revoking("k:rvé", "owner-b", 60, OTHER_META, 60)
+        assert again is not None and again.owner == "owner-b"
+        claim = store.claim("k:rvé", "owner-b", release=True, ttl=None, meta=OTHER_META)
+        assert claim.outcome is ClaimOutcome.OWNED
+        assert store.get("k:rvé") is None
+        for release in (False, True):
+            claim = store.claim("k:rvé", ODD_OWNER, release=release, ttl=30, meta=META)
+            assert claim.outcome is ClaimOutcome.REVOKED
+        assert store.get("k:rvé") is None
+
+    def test_take_over_revoking_marker_outlives_the_holder_or_a_longer_one(
+        self, store_case: StoreCase
+    ) -> None:
+        """The displaced owner's marker lives the longer of the holder's remaining TTL and
+        ``revoked_ttl``, and a longer marker already there is kept (as ``revoke``)."""
+        store = store_case.store
+        if not isinstance(store, RevokingTakeOver):
+            assert store.name in WITHOUT_REVOKING_TAKE_OVER, store.name
+            return
+        # revoked_ttl of 1 ms: only the holder's remaining 30 s keeps the marker.
+        assert store.acquire("k:rvt", "owner-a", 30, META) is None
+        assert store.take_over_revoking("k:rvt", "owner-b", 30, OTHER_META, 0.001) is not None
+        time.sleep(0.05)
+        claim = store.claim("k:rvt", "owner-a", release=False, ttl=None, meta=META)
+        assert claim.outcome is ClaimOutcome.REVOKED
+        # A 60 s marker outlives a take-over whose own marker would live 1 s.
+        assert store.acquire("k:rvk", "owner-a", 1, {**META, "started": "1"}) is None
+        assert store.revoke("k:rvk", "owner-a", 60) is RevokeOutcome.RUNNING
+        assert store.take_over_revoking("k:rvk", "owner-b", 30, OTHER_META, 0.001) is not None
+        time.sleep(1.2)
+        claim = store.claim("k:rvk", "owner-a", release=False, ttl=None, meta=META)
+        assert claim.outcome is ClaimOutcome.REVOKED
+
+    def test_take_over_revoking_queued_only_leaves_a_started_holder(
+        self, store_case: StoreCase
+    ) -> None:
+        """With ``queued_only`` a started holder keeps the key and is not revoked; a queued
+        holder is taken over and revoked, as ``take_over_queued`` then ``revoke``."""
+        store = store_case.store
+        if not isinstance(store, RevokingTakeOver):
+            assert store.name in WITHOUT_REVOKING_TAKE_OVER, store.name
+            return
+        assert store.acquire("k:rvq", "owner-a", 30, META) is None
+        claim = store.claim("k:rvq", "owner-a", release=False, ttl=None, meta=META)
+        assert claim.outcome is ClaimOutcome.OWNED
+        running = store.take_over_revoking("k:rvq", "owner-b", 30, OTHER_META, 60, queued_only=True)
+        assert running is not None and running.owner == "owner-a" and running.started
+        lock = store.get("k:rvq")
+        assert lock is not None and lock.owner == "owner-a" and lock.started
+        # No marker: the running holder's own start check still passes.
+        claim = store.claim("k:rvq", "owner-a", release=True, ttl=None, meta=META)
+        assert claim.outcome is ClaimOutcome.OWNED
+        assert store.acquire("k:rvq", ODD_OWNER, 30, META) is None
+        queued = store.take_over_revoking("k:rvq", "owner-b", 30, OTHER_META, 60, queued_only=True)
+        assert queued is not None and queued.owner == ODD_OWNER and not queued.started
+        lock = store.get("k:rvq")
+        assert lock is not None and lock.owner == "owner-b" and not lock.started
+        assert store.release("k:rvq", "owner-b") is True
+        claim = store.claim("k:rvq", ODD_OWNER, release=False, ttl=30, meta=META)
+        assert claim.outcome is ClaimOutcome.REVOKED
+        assert store.get("k:rvq") is None
 
     def test_scan_lists_only_the_prefix(self, store_case: StoreCase) -> None:
         """scan(prefix) yields every live lock under the prefix and nothing else."""

@@ -101,6 +101,35 @@ def test_string_records_and_earlier_hashes(store: RedisClusterStore) -> None:
     assert store.release(old, "task-1") is True
 
 
+@pytest.mark.parametrize("keyprefix", ["", "app1:"])
+def test_take_over_revoking_writes_the_marker_on_the_lock_s_primary(
+    store: RedisClusterStore, redis_cluster: RedisClusterServer, keyprefix: str
+) -> None:
+    """The marker the take-over script names from the record shares its lock's slot: each
+    lands beside its lock on the lock's primary, and the displaced owner is refused."""
+    revoking = RedisClusterStore.from_url(
+        redis_cluster.url, options={"global_keyprefix": keyprefix}
+    )
+    keys = [f"celery-dedup:tasks.add:{i:03d}" for i in range(30)]
+    try:
+        for i, key in enumerate(keys):
+            assert revoking.acquire(key, f"a|{i}", 30, META) is None
+            previous = revoking.take_over_revoking(key, f"b{i}", 30, META, 60)
+            assert previous is not None and previous.owner == f"a|{i}"
+        per_node = _keys_per_node(redis_cluster)
+        assert all(per_node[port] for port in redis_cluster.ports)
+        for i, key in enumerate(keys):
+            physical = keyprefix + key
+            (node,) = [found for found in per_node.values() if physical in found]
+            assert "{" + physical + "}:revoked:" + f"a|{i}" in node
+            assert revoking.release(key, f"b{i}") is True
+            claim = revoking.claim(key, f"a|{i}", release=False, ttl=30, meta=META)
+            assert claim.outcome is ClaimOutcome.REVOKED
+            assert revoking.get(key) is None
+    finally:
+        revoking.close()
+
+
 def test_ttl_expiry_in_milliseconds(store: RedisClusterStore) -> None:
     """A 200 ms lock is gone after its TTL (Redis keeps millisecond TTLs)."""
     key = "celery-dedup:tasks.add:short"

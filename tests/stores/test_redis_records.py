@@ -195,6 +195,35 @@ def test_a_0_1_0_task_id_of_any_characters_owns_its_hash(
     assert store.release(key, task_id) is True
 
 
+@pytest.mark.parametrize("task_id", ["a|b", "50%", "%7C"])
+def test_a_take_over_revoking_a_0_1_0_hash_revokes_its_task_id(
+    client: redis.Redis, store: RedisStore, task_id: str
+) -> None:
+    """The script finds the displaced owner's marker key from the record (the hash's owner,
+    percent-decoded): the 0.1.0 message's start is refused after the new owner released."""
+    key = real_key(f"rv{task_id}")
+    write_0_1_0(client, key, task_id)
+    meta = {"task_name": NAME, "policy": "success"}
+    previous = store.take_over_revoking(key, "tok-b", 30, meta, 60)
+    assert previous is not None and previous.owner == task_id
+    assert client.type(key) == b"string"
+    assert store.release(key, "tok-b") is True
+    outcome = store.claim(key, task_id, release=False, ttl=30, meta=meta).outcome
+    assert outcome is ClaimOutcome.REVOKED
+    assert client.exists(key) == 0
+
+
+def test_a_take_over_revoking_a_foreign_string_writes_no_marker(
+    client: redis.Redis, store: RedisStore
+) -> None:
+    """A string that is no record has no owner to revoke: the take-over writes only its lock."""
+    client.set("celery-dedup:x:2", "1", px=30_000)
+    meta = {"task_name": "x", "policy": "success"}
+    previous = store.take_over_revoking("celery-dedup:x:2", "tok", 30, meta, 60)
+    assert previous is not None and previous.owner == ""
+    assert sorted(client.keys("*")) == [b"celery-dedup:x:2", b"{celery-dedup:x:2}:replaced:tok"]
+
+
 def test_a_0_1_0_message_claims_its_hash(client: redis.Redis, store: RedisStore) -> None:
     """A message published by 0.1.0 (owner = task id) starts, is marked started and releases."""
     key = real_key("claim")

@@ -234,6 +234,14 @@ def test_every_operation_is_one_statement_on_postgres(
         (lambda: store.claim("held", "owner-d", release=False, ttl=None, meta=META).outcome,
          ClaimOutcome.OWNED),
         (lambda: store.take_over_queued("held", "owner-e", 30, META).started, True),
+        # The take-over and the displaced owner's marker: still one statement.
+        (lambda: store.settle("held", "owner-d"), True),
+        (lambda: store.take_over_revoking("held", "owner-f", 30, META, 60).owner, "owner-d"),
+        (lambda: store.take_over_revoking("held", "owner-g", 30, META, 60, queued_only=True)
+         .owner, "owner-f"),
+        (lambda: store.take_over_revoking("free-r", "owner-g", 30, META, 60), None),
+        (lambda: store.claim("held", "owner-f", release=False, ttl=None, meta=META).outcome,
+         ClaimOutcome.REVOKED),
     ]
     for operation, expected in operations:
         with recorded(store) as sent:
@@ -292,6 +300,11 @@ def test_transaction_shapes(sql_store: SQLStore, recorded: Recorder) -> None:
     ]
     assert shape(lambda: sql_store.revoke("k", "owner-b", 60)) == [
         begin, "INSERT", "SELECT", "DELETE", "COMMIT",
+    ]
+    # take_over_revoking: the take-over's transaction, then revoke's (marker before row).
+    assert sql_store.acquire("kr", "owner-a", 30, META) is None
+    assert shape(lambda: sql_store.take_over_revoking("kr", "owner-b", 30, META, 60)) == [
+        begin, "INSERT", *read, "UPDATE", "COMMIT", begin, "INSERT", "SELECT", "COMMIT",
     ]
 
 
