@@ -30,13 +30,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from .exceptions import CancelOwnRunError, CancelTimeout
-from .identity import deterministic_task_id
 from .lifecycle import DedupTaskLike
 from .signals import holder_cancelled
 from .stores.base import Lock, LockStore, QueuedTakeOver, RevokeOutcome, revoking_take_over
 from .worker import header_of
 
-__all__ = ["POLICY", "cancel_and_acquire", "dismiss", "in_canvas"]
+__all__ = ["POLICY", "cancel_and_acquire", "dismiss", "drop_message", "in_canvas"]
 
 logger = logging.getLogger("celery_dedup")
 
@@ -159,7 +158,7 @@ def dismiss(task: DedupTaskLike, key: str, task_id: str, holder: Lock) -> None:
     """The new call published over the revoked queued ``holder``: report it, drop its message."""
     task.dedup_config().runtime.metrics.incr(task.name, "cancelled")
     _announce(task, key, task_id, holder, running=False, signal=None)
-    _drop_message(task, key, holder)
+    drop_message(task, holder.task_id, task_id, "cancelled")
 
 
 def _announce(
@@ -190,18 +189,21 @@ def _announce(
         )
 
 
-def _drop_message(task: DedupTaskLike, key: str, holder: Lock) -> None:
-    """Tell workers to drop the revoked queued message (saves work; its start claim refuses it).
+def drop_message(task: DedupTaskLike, superseded_id: str, new_id: str, why: str) -> None:
+    """Tell workers to drop a superseded queued message (saves work; its start claim
+    refuses it anyway).
 
-    Never by id for a deterministic id: Celery would discard the new message too.
+    Never when both calls share one id (a deterministic id): revoking it by
+    id would discard the new message too. ``why`` names the superseded
+    task in the warning a failed broadcast logs ("replaced", "cancelled").
     """
-    if holder.task_id == deterministic_task_id(key):
+    if superseded_id == new_id:
         return
     try:
-        task.app.control.revoke(holder.task_id)
+        task.app.control.revoke(superseded_id)
     except Exception:
         logger.warning(
-            "celery-dedup: could not broadcast revoke of a cancelled task", exc_info=True
+            "celery-dedup: could not broadcast revoke of a %s task", why, exc_info=True
         )
 
 

@@ -29,7 +29,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from . import owner_token as tokens
-from .stores.base import Lock, LockStore
+from .stores.base import Lock, LockStore, replace_holder
 
 __all__ = ["burst_start", "cap_eta", "guess_owner", "settle_owner"]
 
@@ -110,9 +110,9 @@ def settle_owner(
     if token_start(guessed) == int(start * 1000) / 1000:
         return guessed, start
     owner = owner_token(start)
-    displaced = store.take_over(key, owner, ttl, meta)
-    if displaced is not None and displaced.owner not in (guessed, owner):
-        store.revoke(key, displaced.owner, max(displaced.ttl, revoked_ttl))
+    # (The guessed token is revoked too when it is the one displaced: no
+    # message carries it.)
+    replace_holder(store, key, owner, ttl, meta, revoked_ttl)
     return owner, start
 
 

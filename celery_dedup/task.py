@@ -59,7 +59,7 @@ from .results import DeduplicatedResult, mark_result
 from .runs import DELIVERY_FIELD
 from .runtime import Runtime, runtime_for
 from .signals import lock_acquired, lock_replaced, task_deduplicated
-from .stores.base import Lock, LockStore, revoking_take_over
+from .stores.base import Lock, LockStore, replace_holder
 
 __all__ = ["DedupTask"]
 
@@ -764,16 +764,7 @@ class DedupTask(_Task):
         die, are refused. ``keep_last`` relies on that: ``coalesce``.)
         """
         revoked_ttl = self.dedup_config().runtime.settings.revoked_ttl
-        revoking = revoking_take_over(store)
-        if revoking is not None:
-            # One round trip: the store writes the marker with the take-over.
-            previous = revoking.take_over_revoking(key, owner, ttl, meta, revoked_ttl)
-            return None if previous is None or previous.owner == owner else previous
-        previous = store.take_over(key, owner, ttl, meta)
-        if previous is None or previous.owner == owner:
-            return None
-        store.revoke(key, previous.owner, max(previous.ttl, revoked_ttl))
-        return previous
+        return replace_holder(store, key, owner, ttl, meta, revoked_ttl)
 
     def _restore(
         self, store: LockStore, key: str, previous: Lock, release: Callable[[], Any]
@@ -1002,16 +993,8 @@ class DedupTask(_Task):
             policy=policy,
             follow_up=follows,
         )
-        if follows or previous.task_id == task_id:
-            # (A deterministic id: revoking it by id would discard the new message too.)
-            return
-        try:
-            self.app.control.revoke(previous.task_id)
-        except Exception:
-            # The replaced task also checks ownership when it starts.
-            logger.warning(
-                "celery-dedup: could not broadcast revoke of a replaced task", exc_info=True
-            )
+        if not follows:
+            cancel.drop_message(self, previous.task_id, task_id, "replaced")
 
     # -- worker-side hooks -------------------------------------------------
 

@@ -62,6 +62,7 @@ __all__ = [
     "gate_record_key",
     "os_error_kind",
     "refused_unless_passed",
+    "replace_holder",
     "revoked_marker_key",
     "revoking_take_over",
     "run_record_key",
@@ -415,6 +416,27 @@ def revoking_take_over(store: LockStore) -> RevokingTakeOver | None:
     if revoking is None:
         revoking = _REVOKING[type(store)] = isinstance(store, RevokingTakeOver)
     return cast(RevokingTakeOver, store) if revoking else None
+
+
+def replace_holder(
+    store: LockStore, key: str, owner: str, ttl: float, meta: LockMeta, revoked_ttl: float
+) -> Lock | None:
+    """Make ``owner`` the holder of ``key`` and mark the displaced owner revoked.
+
+    One round trip on a ``RevokingTakeOver`` store, else a take-over and a
+    revoke. The marker lives the displaced lock's remaining TTL, at least
+    ``revoked_ttl``. Returns the displaced holder, or ``None`` when the key
+    was free or already ``owner``'s (a re-sent command's own write).
+    """
+    revoking = revoking_take_over(store)
+    if revoking is not None:
+        previous = revoking.take_over_revoking(key, owner, ttl, meta, revoked_ttl)
+        return None if previous is None or previous.owner == owner else previous
+    previous = store.take_over(key, owner, ttl, meta)
+    if previous is None or previous.owner == owner:
+        return None
+    store.revoke(key, previous.owner, max(previous.ttl, revoked_ttl))
+    return previous
 
 
 @runtime_checkable
