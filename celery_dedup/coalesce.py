@@ -1,8 +1,8 @@
 """``on_duplicate="keep_last"``: one run in progress per key, plus one queued follow-up.
 
 The producer side is ``replace``'s take-over: a call takes the key over
-and marks the previous owner revoked (two round trips when the key was
-held, one when it was free). A queued holder that had not started never
+and marks the previous owner revoked (one round trip on a
+``RevokingTakeOver`` store, two elsewhere). A queued holder that had not started never
 runs; a holder whose run is in progress runs to its end (its
 owner-checked release no longer finds its lock, and only copies of it,
 should its worker die, are refused), and the new message is its
