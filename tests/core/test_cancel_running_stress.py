@@ -16,11 +16,9 @@ last call. Asserted from the records:
 - the last call of each key runs exactly once, to its end, with its
   arguments.
 
-``DEDUP_STRESS_SEED`` replays a run's draws. (The reliability soak's
-checker models one owner token per published message and a lock held
-until its policy's end: the terminations and cleanup overlap of
-``cancel_running`` and the re-keyed take-over of a capped debounce are
-judged here instead.)
+``DEDUP_STRESS_SEED`` replays a run's draws. (The reliability soak draws
+these policies too and its checker judges them among every other policy,
+under faults; this test aims many more calls at a few keys.)
 """
 
 from __future__ import annotations
