@@ -129,6 +129,17 @@ def _settled(*results: AsyncResult[Any]) -> bool:
     return all(result.state != "PENDING" for result in results)
 
 
+def retrying_client(proxy: LostReplyProxy) -> redis.Redis:
+    """A client of the store's database through ``proxy`` that re-sends a command whose
+    reply was lost (redis-py's retry on a connection error)."""
+    return redis.Redis(
+        host="127.0.0.1",
+        port=proxy.port,
+        db=STORE_DB,
+        retry_on_error=[redis.exceptions.ConnectionError],
+    )
+
+
 # -- a replace whose take-over reply was lost ---------------------------------------------
 
 
@@ -141,12 +152,7 @@ def test_a_resent_take_over_reports_the_holder_it_replaced(
     command finds the caller's own record. Reporting that as "the previous
     holder" loses P: it is never revoked.
     """
-    client = redis.Redis(
-        host="127.0.0.1",
-        port=proxy.port,
-        db=STORE_DB,
-        retry_on_error=[redis.exceptions.ConnectionError],
-    )
+    client = retrying_client(proxy)
     store = RedisStore(client)
     try:
         assert store.take_over("warm", "w", 5, META) is None  # script loaded on the server
@@ -167,12 +173,7 @@ def test_a_resent_queued_take_over_reports_the_holder_it_took_the_key_from(
 ) -> None:
     """``take_over_queued`` (``cancel_running`` over a queued holder): the same after a lost
     reply: the re-sent command names the queued holder, which is then revoked."""
-    client = redis.Redis(
-        host="127.0.0.1",
-        port=proxy.port,
-        db=STORE_DB,
-        retry_on_error=[redis.exceptions.ConnectionError],
-    )
+    client = retrying_client(proxy)
     store = RedisStore(client)
     try:
         assert store.take_over_queued("warm", "w", 5, META) is None  # script loaded
@@ -195,12 +196,7 @@ def test_a_resent_revoking_take_over_answers_the_same_and_keeps_the_marker(
     """``take_over_revoking`` (``replace``, ``keep_last``, ``cancel_running``) after a lost
     reply: the re-sent command names the displaced holder, whose marker the first run
     wrote: its start is refused even once the new owner released the key."""
-    client = redis.Redis(
-        host="127.0.0.1",
-        port=proxy.port,
-        db=STORE_DB,
-        retry_on_error=[redis.exceptions.ConnectionError],
-    )
+    client = retrying_client(proxy)
     store = RedisStore(client)
     script = store._take_over_queued if queued_only else store._take_over
     try:
@@ -353,12 +349,7 @@ def test_owner_checked_writes_resent_after_a_lost_reply_leave_the_right_state(
     dbs: RedisServer, proxy: LostReplyProxy, operation: str
 ) -> None:
     """Each owner-checked script run twice (a lost reply) ends where one run would."""
-    client = redis.Redis(
-        host="127.0.0.1",
-        port=proxy.port,
-        db=STORE_DB,
-        retry_on_error=[redis.exceptions.ConnectionError],
-    )
+    client = retrying_client(proxy)
     raw = dbs.client(STORE_DB)
     store = RedisStore(client)
     try:
