@@ -33,8 +33,11 @@ stop = threading.Event()
 
 
 def _connections(observer: psycopg.Connection) -> int:
+    # Client connections only: an autovacuum worker (the lock table churns)
+    # or a parallel worker also shows the database's name.
     row = observer.execute(
-        "SELECT count(*) FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()"
+        " AND backend_type = 'client backend'",
         [NAME],
     ).fetchone()
     return int(row[0]) if row else 0
