@@ -994,7 +994,7 @@ class DedupTask(_Task):
             follow_up=follows,
         )
         if not follows:
-            cancel.drop_message(self, previous.task_id, task_id, "replaced")
+            cancel.drop_message(self, key, previous.task_id, task_id, "replaced")
 
     # -- worker-side hooks -------------------------------------------------
 
