@@ -444,7 +444,8 @@ def _claim_failed(
     if isinstance(exc, StoreContention) or closed:
         if run is not None:
             _abandon_run(task, runtime.store or _never(), run)
-        _defer(task, request, args, kwargs, key, f"the store did not answer: {exc}", None)
+        reason = f"the store did not answer: {exc}"
+        _defer(task, request, args, kwargs, key, reason, None, keep_token=True)
     logger.warning("celery-dedup: %s[%s] runs unchecked: %s", task.name, task_id, exc)
     return Held(
         runtime.store or _never(),
@@ -471,6 +472,7 @@ def _defer(
     lease: float | None,
     *,
     countdown: float | None = None,
+    keep_token: bool = False,
 ) -> None:
     """Publish this very message again for later, then end this copy without a state.
 
@@ -480,6 +482,9 @@ def _defer(
     lease (a copy waiting for a running one), a short backoff (a store
     that did not answer) or ``countdown`` when given (a full concurrency
     limit: ``limits``). No state is written: the id is the running copy's.
+    With ``keep_token`` (a start claim the store did not answer) it keeps
+    its delivery token too; any other deferral took no lease, and a copy
+    the broker redelivers must not own the lease of the copy that runs.
     """
     from celery.app.task import Task
 
@@ -509,7 +514,7 @@ def _defer(
         headers[HEADER] = header.encode()
     headers.pop(runs.DELIVERY_FIELD, None)
     token = getattr(request, runs.DELIVERY_FIELD, None)
-    if lease is None and token:
+    if keep_token and token:
         # The store did not answer: the lease may still land (a stalled server
         # runs the command later). The same delivery owns it when it comes back.
         headers[runs.DELIVERY_FIELD] = token

@@ -88,6 +88,22 @@ def fragile(x: int) -> int:
     return x
 
 
+@app.task(
+    base=DedupTask,
+    unique_for=120,
+    acks_late=True,
+    concurrency_limit=1,
+    concurrency_key="{group}",
+    concurrency_backoff=0.2,
+)
+def limited(x: int, group: str = "all") -> int:
+    """One at a time (concurrency limit 1); runs 6 s, so the broker redelivers it meanwhile."""
+    record(f"limited_start:{x}")
+    time.sleep(6)
+    record(f"limited_end:{x}")
+    return x
+
+
 @pytest.fixture(params=["redis", "postgres"])
 def worker(
     request: pytest.FixtureRequest,
@@ -185,3 +201,17 @@ def test_sigkill_of_the_whole_worker_runs_once_more_after_the_lease_lapsed(
     settle(2 * VISIBILITY + LEASE)
     assert runs(redis_server) == ["start:2", "start:2", "end:2"]
     assert inspect_lock(result.deduplication_key, app=app) is None
+
+
+def test_a_message_deferred_by_its_concurrency_limit_runs_once_when_redelivered(
+    worker: Worker, redis_server: RedisServer
+) -> None:
+    """Two calls, one slot: the second is deferred until the first ended, then runs 6 s
+    while the broker delivers copies of it (each deferred by the limit, then refused)."""
+    worker.start()
+    results = [limited.delay(x) for x in (1, 2)]
+    assert [result.get(timeout=60) for result in results] == [1, 2]
+    settle(3 * VISIBILITY + LEASE)
+    events = runs(redis_server)
+    assert sorted(events) == sorted(f"limited_{e}:{x}" for e in ("start", "end") for x in (1, 2))
+    assert "deferred" in worker.text()
