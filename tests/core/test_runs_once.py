@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from celery_dedup import DedupTask, inspect_lock
+from celery_dedup.runs import DELIVERY_FIELD
 from tests.fixtures.redis import RedisServer
 
 from .conftest import wait_until
@@ -101,6 +102,15 @@ def limited(x: int, group: str = "all") -> int:
     record(f"limited_start:{x}")
     time.sleep(6)
     record(f"limited_end:{x}")
+    return x
+
+
+@app.task(base=DedupTask, unique_for=120, on_duplicate="keep_last", acks_late=True)
+def coalesced(x: int) -> int:
+    """A ``keep_last`` task (deferred by any store error); runs 6 s, as ``fragile``."""
+    record(f"coalesced_start:{x}")
+    time.sleep(6)
+    record(f"coalesced_end:{x}")
     return x
 
 
@@ -215,3 +225,32 @@ def test_a_message_deferred_by_its_concurrency_limit_runs_once_when_redelivered(
     events = runs(redis_server)
     assert sorted(events) == sorted(f"limited_{e}:{x}" for e in ("start", "end") for x in (1, 2))
     assert "deferred" in worker.text()
+
+
+def test_two_copies_of_a_message_deferred_with_its_delivery_token_run_once(
+    worker: Worker, redis_server: RedisServer
+) -> None:
+    """A message deferred because its start claim got no answer carries that claim's
+    delivery token (here as an earlier version wrote it). Two copies of it, delivered at
+    once to two free slots: one inherits the token's lease and runs, the other is refused."""
+    result = coalesced.delay(2)
+    with app.connection_for_write() as connection:
+        queue = connection.SimpleQueue(QUEUE)
+        message = queue.get(timeout=10)
+        headers = {**message.headers, DELIVERY_FIELD: "token-of-a-claim-that-got-no-answer"}
+        producer = connection.Producer()
+        for _ in range(2):
+            producer.publish(
+                message.body,
+                routing_key=QUEUE,
+                headers=headers,
+                content_type=message.content_type,
+                content_encoding=message.content_encoding,
+            )
+        message.ack()
+        queue.close()
+    worker.start()
+    assert result.get(timeout=60) == 2
+    settle(3 * VISIBILITY + LEASE)
+    assert runs(redis_server) == ["coalesced_start:2", "coalesced_end:2"]
+    assert inspect_lock(result.deduplication_key, app=app) is None
