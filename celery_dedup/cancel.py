@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .exceptions import CancelOwnRunError, CancelTimeout
+from .identity import deterministic_task_id
 from .lifecycle import DedupTaskLike
 from .signals import holder_cancelled
 from .stores.base import Lock, LockStore, QueuedTakeOver, RevokeOutcome, revoking_take_over
@@ -158,7 +159,7 @@ def dismiss(task: DedupTaskLike, key: str, task_id: str, holder: Lock) -> None:
     """The new call published over the revoked queued ``holder``: report it, drop its message."""
     task.dedup_config().runtime.metrics.incr(task.name, "cancelled")
     _announce(task, key, task_id, holder, running=False, signal=None)
-    drop_message(task, holder.task_id, task_id, "cancelled")
+    drop_message(task, key, holder.task_id, task_id, "cancelled")
 
 
 def _announce(
@@ -189,15 +190,17 @@ def _announce(
         )
 
 
-def drop_message(task: DedupTaskLike, superseded_id: str, new_id: str, why: str) -> None:
+def drop_message(task: DedupTaskLike, key: str, superseded_id: str, new_id: str, why: str) -> None:
     """Tell workers to drop a superseded queued message (saves work; its start claim
     refuses it anyway).
 
-    Never when both calls share one id (a deterministic id): revoking it by
-    id would discard the new message too. ``why`` names the superseded
-    task in the warning a failed broadcast logs ("replaced", "cancelled").
+    Never when both calls share one id, nor for ``key``'s deterministic id:
+    workers remember a revoked id for hours and would discard the new
+    message, or the next call that publishes under that id. ``why`` names
+    the superseded task in the warning a failed broadcast logs
+    ("replaced", "cancelled").
     """
-    if superseded_id == new_id:
+    if superseded_id in (new_id, deterministic_task_id(key)):
         return
     try:
         task.app.control.revoke(superseded_id)

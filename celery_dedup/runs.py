@@ -49,6 +49,7 @@ from .stores.base import (
 
 __all__ = [
     "DELIVERY_FIELD",
+    "INHERITED_FIELD",
     "GatedRuns",
     "StoreRuns",
     "attempt_of",
@@ -58,6 +59,10 @@ __all__ = [
 
 #: The field a worker adds to a received message's request: its delivery token.
 DELIVERY_FIELD = "dedup_delivery"
+
+#: The header of a message deferred because its start claim got no answer:
+#: the delivery token that claim was made with (``RunRef.inherits``).
+INHERITED_FIELD = "dedup_inherited"
 
 #: Appended to the delivery token to own a done marker (``StoreRuns``).
 DONE_SUFFIX = "!done"
@@ -119,7 +124,12 @@ class StoreRuns:
         release: bool,
         ttl: float | None,
     ) -> tuple[RunOutcome, Claim | None]:
-        """Take the lease (one round trip), then the start claim (another)."""
+        """Take the lease (one round trip), then the start claim (another).
+
+        An inherited lease is given up first (one round trip more).
+        """
+        if run.inherits:
+            self.store.release(run.record, run.inherits)
         holder = self.store.acquire(
             run.record, run.token, lease, _record_meta(meta, RUNNING_POLICY)
         )
@@ -183,6 +193,8 @@ class GatedRuns:
         """
         if not run.gated:
             return self.records.claim_run(run, lease, meta, release=release, ttl=ttl)
+        if run.inherits:
+            self.store.release(run.gate, run.inherits)
         holder = self.store.acquire(run.gate, run.token, lease, _record_meta(meta, RUNNING_POLICY))
         if holder is not None and holder.owner != run.token:
             return RunOutcome.WAITING, None

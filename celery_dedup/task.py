@@ -56,7 +56,7 @@ from .options import (
 )
 from .policy import UniqueUntil, lock_ttl
 from .results import DeduplicatedResult, mark_result
-from .runs import DELIVERY_FIELD
+from .runs import DELIVERY_FIELD, INHERITED_FIELD
 from .runtime import Runtime, runtime_for
 from .signals import lock_acquired, lock_replaced, task_deduplicated
 from .stores.base import Lock, LockStore, replace_holder
@@ -433,6 +433,7 @@ class DedupTask(_Task):
             # A retry or replace copies the running request's headers: the
             # worker's delivery token belongs to that delivery only.
             headers.pop(DELIVERY_FIELD, None)
+            headers.pop(INHERITED_FIELD, None)
             options["headers"] = headers
             return super(DedupTask, self).apply_async(
                 cast(Any, args),
@@ -994,7 +995,7 @@ class DedupTask(_Task):
             follow_up=follows,
         )
         if not follows:
-            cancel.drop_message(self, previous.task_id, task_id, "replaced")
+            cancel.drop_message(self, key, previous.task_id, task_id, "replaced")
 
     # -- worker-side hooks -------------------------------------------------
 

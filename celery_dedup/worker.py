@@ -361,7 +361,9 @@ def _run_of(request: Any, header: LockHeader, owner: str) -> RunRef | None:
     token = getattr(request, runs.DELIVERY_FIELD, None)
     if not token and not header.last:
         return None
-    return RunRef(key, owner, runs.attempt_of(request), str(token or new_token()), header.last)
+    inherits = str(getattr(request, runs.INHERITED_FIELD, None) or "")
+    token = str(token or new_token())
+    return RunRef(key, owner, runs.attempt_of(request), token, header.last, inherits)
 
 
 def _claim_run(
@@ -444,7 +446,8 @@ def _claim_failed(
     if isinstance(exc, StoreContention) or closed:
         if run is not None:
             _abandon_run(task, runtime.store or _never(), run)
-        _defer(task, request, args, kwargs, key, f"the store did not answer: {exc}", None)
+        reason = f"the store did not answer: {exc}"
+        _defer(task, request, args, kwargs, key, reason, None, keep_token=True)
     logger.warning("celery-dedup: %s[%s] runs unchecked: %s", task.name, task_id, exc)
     return Held(
         runtime.store or _never(),
@@ -471,6 +474,7 @@ def _defer(
     lease: float | None,
     *,
     countdown: float | None = None,
+    keep_token: bool = False,
 ) -> None:
     """Publish this very message again for later, then end this copy without a state.
 
@@ -480,6 +484,10 @@ def _defer(
     lease (a copy waiting for a running one), a short backoff (a store
     that did not answer) or ``countdown`` when given (a full concurrency
     limit: ``limits``). No state is written: the id is the running copy's.
+    With ``keep_token`` (a start claim the store did not answer: its lease
+    may still land) it carries its delivery token for the copy that claims
+    next to inherit (``RunRef.inherits``); never as that copy's own token:
+    a copy of it the broker redelivers would own the same lease.
     """
     from celery.app.task import Task
 
@@ -508,11 +516,12 @@ def _defer(
     if header is not None:
         headers[HEADER] = header.encode()
     headers.pop(runs.DELIVERY_FIELD, None)
+    headers.pop(runs.INHERITED_FIELD, None)
     token = getattr(request, runs.DELIVERY_FIELD, None)
-    if lease is None and token:
+    if keep_token and token:
         # The store did not answer: the lease may still land (a stalled server
-        # runs the command later). The same delivery owns it when it comes back.
-        headers[runs.DELIVERY_FIELD] = token
+        # runs the command later). The copy that claims next inherits it.
+        headers[runs.INHERITED_FIELD] = token
     options["headers"] = headers
     plain: Any = task  # the message as it was: Celery's own publish, no new lock
     Task.apply_async(plain, args, kwargs, **options)
@@ -794,8 +803,13 @@ def _give_delivery_token(task: DedupTaskLike, request: Any) -> None:
         return
     if store is None:
         return
-    # A message deferred because the store did not answer keeps its token.
-    token = request_dict[runs.DELIVERY_FIELD] = request_dict.get(runs.DELIVERY_FIELD) or new_token()
+    # Every delivery has a token of its own, even one of a message that
+    # inherits a lease (``RunRef.inherits``): the broker may deliver it twice.
+    # (A message an earlier version deferred carries the token to inherit as its own.)
+    kept = request_dict.get(runs.DELIVERY_FIELD)
+    if kept and not request_dict.get(runs.INHERITED_FIELD):
+        request_dict[runs.INHERITED_FIELD] = kept
+    token = request_dict[runs.DELIVERY_FIELD] = new_token()
     owner = header.owner(str(request.id))
     run = RunRef(header.key, owner, runs.attempt_of(request_dict), token, header.last)
     leases.remember(request, store, run, runtime.settings.lease_ttl)

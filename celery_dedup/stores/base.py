@@ -295,6 +295,10 @@ class RunRef:
     #: (``on_duplicate="keep_last"``: one run of the key at a time, whatever
     #: publish it belongs to); the gate is owned by ``token`` as the lease is
     gated: bool = False
+    #: the delivery token of an earlier delivery of this message whose start
+    #: claim got no answer (it may land later), or ``""``: a lease or gate it
+    #: holds passes to this copy, and so to one copy only
+    inherits: str = ""
 
     @property
     def record(self) -> str:
@@ -336,6 +340,8 @@ class RunRecords(Protocol):
 
         When another copy's lease or done marker is live, answers
         ``RUNNING`` or ``DONE`` and leaves the lock untouched (``None``).
+        A lease (or gate) of ``run.inherits`` is taken over as if it were
+        this copy's own: by one copy only, as any lease.
         """
 
     def end_run(

@@ -323,28 +323,30 @@ return false
 # KEYS[4] - the key's run gate, for a gated run only (same hash slot)
 # ARGV[1] - this copy's delivery token
 # ARGV[2] - lease in milliseconds
-# ARGV[3..] - as CLAIM's ARGV[1..]
+# ARGV[3] - a delivery token whose lease and gate pass to this copy, or ""
+# ARGV[4..] - as CLAIM's ARGV[1..]
 # return {"running"}, {"done"} or {"waiting"} (nothing written), else CLAIM's answer
 CLAIM_RUN = (
     _PRELUDE
     + """
+local heir = ARGV[3] ~= '' and 'L' .. ARGV[3]
 local run = redis.call('get', KEYS[3])
-if run and string.sub(run, 2) ~= ARGV[1] then
+if run and run ~= heir and string.sub(run, 2) ~= ARGV[1] then
     return {string.sub(run, 1, 1) == 'D' and 'done' or 'running'}
 end
 if KEYS[4] then
     local gate = redis.call('get', KEYS[4])
-    if gate and gate ~= 'L' .. ARGV[1] then
+    if gate and gate ~= heir and gate ~= 'L' .. ARGV[1] then
         return {'waiting'}
     end
     redis.call('set', KEYS[4], 'L' .. ARGV[1], 'PX', ARGV[2])
 end
 redis.call('set', KEYS[3], 'L' .. ARGV[1], 'PX', ARGV[2])
-local A = {unpack(ARGV, 3)}
+local A = {unpack(ARGV, 4)}
 """
     + CLAIM[len(_PRELUDE) :]
     .replace("ARGV[", "A[")
-    .replace("write(KEYS[1], A[4], A[3], 5)", "write(KEYS[1], A[4], A[3], 7)")
+    .replace("write(KEYS[1], A[4], A[3], 5)", "write(KEYS[1], A[4], A[3], 8)")
 )
 
 # KEYS[1] - lock key
@@ -843,6 +845,7 @@ class RedisStore(RedisLimits):
         args = [
             run.token,
             _ms(lease),
+            run.inherits,
             mine,
             "1" if release else "",
             "" if ttl is None else _ms(ttl),

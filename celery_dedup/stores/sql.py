@@ -607,6 +607,7 @@ class SQLStore(SQLLimits):
             "b_run_policy": policy,
             "b_run_token": secrets.token_hex(16),
             "b_lease": float(ttl),
+            "b_inherit": run.inherits,
         }
 
     def _gate_params(self, run: RunRef) -> dict[str, Any]:

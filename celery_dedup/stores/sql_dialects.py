@@ -446,8 +446,14 @@ class _Dialect:
         }
 
     def lease_taken(self) -> ColumnElement[bool]:
-        """Whether the existing run record may become this copy's lease: lapsed, or its own."""
-        return or_(_L.expires_at <= self.now, _L.owner == bindparam("b_run", type_=String()))
+        """Whether the existing run record may become this copy's lease: lapsed, its own,
+        or the lease of the delivery it inherits (``b_inherit``: ``RunRef.inherits``).
+        """
+        return or_(
+            _L.expires_at <= self.now,
+            _L.owner == bindparam("b_run", type_=String()),
+            and_(_L.owner == bindparam("b_inherit", type_=String()), _L.policy == RUNNING_POLICY),
+        )
 
     def renew_runs(self, run: _Runner, pairs: Sequence[tuple[str, str]], lease: float) -> int:
         """One ``UPDATE`` renewing the live leases of ``(record, delivery token)`` pairs.
@@ -714,9 +720,14 @@ class _Postgres(_Dialect):
             .where(_L.key == bindparam("b_record"))
             .cte("record")
         )
+        inherited = and_(
+            record.c.owner == bindparam("b_inherit", type_=String()),
+            record.c.policy == RUNNING_POLICY,
+        )
         busy = exists(
             select(record.c.owner).where(
                 record.c.owner != bindparam("b_run", type_=String()),
+                ~inherited,
                 record.c.expires_at > self.now,
             )
         )
@@ -903,9 +914,11 @@ class _Postgres(_Dialect):
                 # does not run (now), so the gate it took goes back.
                 gate = {"b_key": params["b_gate"], "b_owner": params["b_run"]}
                 run(self.abandon, {**gate, "b_policy": RUNNING_POLICY})
+            inherited = row.run_owner == params["b_inherit"] and row.run_policy == RUNNING_POLICY
             if (
                 row.run_owner is not None
                 and row.run_owner != params["b_run"]
+                and not inherited
                 and row.run_expires_at > row.now
             ):
                 done = row.run_policy == DONE_POLICY

@@ -181,6 +181,26 @@ def test_queued_holder_is_revoked_and_never_runs(
     assert events == ["start:latest", "end:latest"]
 
 
+@pytest.mark.parametrize("policy", ["cancel_running", "replace"])
+def test_a_queued_holder_under_the_deterministic_id_is_not_revoked_by_id(
+    worker: Worker, redis_server: RedisServer, policy: str
+) -> None:
+    """A call under an id of its own supersedes a queued holder that has the key's
+    deterministic id: no revoke by id is broadcast (workers remember a revoked id for
+    hours), so the next call published under that id runs, once."""
+    worker.start()
+    queued = det_sync.apply_async((6, "queued"), countdown=60)  # in the worker, not started
+    latest = det_sync.apply_async((6, "latest"), deterministic_id=False, on_duplicate=policy)
+    assert latest.deduplicated is False and latest.id != queued.id
+    assert latest.get(timeout=30) == "latest"
+    wait_until(lambda: inspect_lock(latest.deduplication_key, app=app) is None, timeout=10)
+    again = det_sync.delay(6, "again")
+    assert again.deduplicated is False and again.id == queued.id
+    assert again.get(timeout=30) == "again"
+    events = [e for e in runs(redis_server) if not e.startswith("postrun:")]
+    assert events == ["start:latest", "end:latest", "start:again", "end:again"]
+
+
 def test_failed_publish_gives_the_key_back_to_the_queued_holder(
     worker: Worker, redis_server: RedisServer
 ) -> None:

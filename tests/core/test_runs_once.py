@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from celery_dedup import DedupTask, inspect_lock
+from celery_dedup.runs import DELIVERY_FIELD
 from tests.fixtures.redis import RedisServer
 
 from .conftest import wait_until
@@ -85,6 +86,31 @@ def fragile(x: int) -> int:
     record(f"start:{x}")
     time.sleep(6)
     record(f"end:{x}")
+    return x
+
+
+@app.task(
+    base=DedupTask,
+    unique_for=120,
+    acks_late=True,
+    concurrency_limit=1,
+    concurrency_key="{group}",
+    concurrency_backoff=0.2,
+)
+def limited(x: int, group: str = "all") -> int:
+    """One at a time (concurrency limit 1); runs 6 s, so the broker redelivers it meanwhile."""
+    record(f"limited_start:{x}")
+    time.sleep(6)
+    record(f"limited_end:{x}")
+    return x
+
+
+@app.task(base=DedupTask, unique_for=120, on_duplicate="keep_last", acks_late=True)
+def coalesced(x: int) -> int:
+    """A ``keep_last`` task (deferred by any store error); runs 6 s, as ``fragile``."""
+    record(f"coalesced_start:{x}")
+    time.sleep(6)
+    record(f"coalesced_end:{x}")
     return x
 
 
@@ -184,4 +210,47 @@ def test_sigkill_of_the_whole_worker_runs_once_more_after_the_lease_lapsed(
     assert result.get(timeout=90) == 2
     settle(2 * VISIBILITY + LEASE)
     assert runs(redis_server) == ["start:2", "start:2", "end:2"]
+    assert inspect_lock(result.deduplication_key, app=app) is None
+
+
+def test_a_message_deferred_by_its_concurrency_limit_runs_once_when_redelivered(
+    worker: Worker, redis_server: RedisServer
+) -> None:
+    """Two calls, one slot: the second is deferred until the first ended, then runs 6 s
+    while the broker delivers copies of it (each deferred by the limit, then refused)."""
+    worker.start()
+    results = [limited.delay(x) for x in (1, 2)]
+    assert [result.get(timeout=60) for result in results] == [1, 2]
+    settle(3 * VISIBILITY + LEASE)
+    events = runs(redis_server)
+    assert sorted(events) == sorted(f"limited_{e}:{x}" for e in ("start", "end") for x in (1, 2))
+    assert "deferred" in worker.text()
+
+
+def test_two_copies_of_a_message_deferred_with_its_delivery_token_run_once(
+    worker: Worker, redis_server: RedisServer
+) -> None:
+    """A message deferred because its start claim got no answer carries that claim's
+    delivery token (here as an earlier version wrote it). Two copies of it, delivered at
+    once to two free slots: one inherits the token's lease and runs, the other is refused."""
+    result = coalesced.delay(2)
+    with app.connection_for_write() as connection:
+        queue = connection.SimpleQueue(QUEUE)
+        message = queue.get(timeout=10)
+        headers = {**message.headers, DELIVERY_FIELD: "token-of-a-claim-that-got-no-answer"}
+        producer = connection.Producer()
+        for _ in range(2):
+            producer.publish(
+                message.body,
+                routing_key=QUEUE,
+                headers=headers,
+                content_type=message.content_type,
+                content_encoding=message.content_encoding,
+            )
+        message.ack()
+        queue.close()
+    worker.start()
+    assert result.get(timeout=60) == 2
+    settle(3 * VISIBILITY + LEASE)
+    assert runs(redis_server) == ["coalesced_start:2", "coalesced_end:2"]
     assert inspect_lock(result.deduplication_key, app=app) is None

@@ -716,6 +716,33 @@ class StoreContract:
         assert outcome is RunOutcome.BEGUN
         assert claim is not None and claim.outcome is ClaimOutcome.REVOKED
 
+    def test_an_inherited_lease_passes_to_one_copy_only(self, store_case: StoreCase) -> None:
+        """A lease left by a claim that got no answer passes to the next copy's claim
+        (``RunRef.inherits``), gate included; a second copy inheriting it is RUNNING,
+        and nobody inherits a done marker."""
+        store = store_case.store
+        runs = records_of(store)
+        for key, gated in (("run:j", False), ("gate:e", True)):
+            assert store.acquire(key, "owner-a", 30, META) is None
+            stalled = RunRef(key, "owner-a", "0.0", "copy-1", gated=gated)
+            assert runs.claim_run(stalled, 30, META, release=False, ttl=None)[0] is (
+                RunOutcome.BEGUN
+            )
+            store.settle(key, "owner-a")
+            heir = RunRef(key, "owner-a", "0.0", "copy-2", gated=gated, inherits="copy-1")
+            outcome, claim = runs.claim_run(heir, 30, META, release=False, ttl=None)
+            assert outcome is RunOutcome.BEGUN and claim is not None
+            assert claim.outcome is ClaimOutcome.OWNED
+            twin = RunRef(key, "owner-a", "0.0", "copy-3", gated=gated, inherits="copy-1")
+            outcome, claim = runs.claim_run(twin, 30, META, release=False, ttl=None)
+            deferred = (RunOutcome.RUNNING, RunOutcome.WAITING) if gated else (RunOutcome.RUNNING,)
+            assert outcome in deferred and claim is None
+            assert runs.renew_runs([stalled], 30) == 0  # the stalled copy holds nothing
+            assert runs.end_run(heir, 30, META, release=True) is True
+            late = RunRef(key, "owner-a", "0.0", "copy-4", gated=gated, inherits="copy-2")
+            assert runs.claim_run(late, 30, META, release=False, ttl=60) == (RunOutcome.DONE, None)
+            assert store.get(key) is None
+
     # -- run gates (``RunRef.gated``: keep_last's one run of a key at a time) --
 
     def test_gated_runs_of_one_key_take_turns(self, store_case: StoreCase) -> None:
