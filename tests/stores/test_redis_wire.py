@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -136,18 +137,27 @@ def test_close_disconnects_every_connection(redis_server: RedisServer, raw: redi
     def hold_a_connection(n: int) -> None:
         # Four commands in flight at once need four connections.
         store.get(f"k{n}")
-        inside.wait()
-        done.wait()
+        inside.wait(30)
+        done.wait(60)
 
-    threads = [threading.Thread(target=hold_a_connection, args=(n,)) for n in range(4)]
+    threads = [
+        threading.Thread(target=hold_a_connection, args=(n,), daemon=True) for n in range(4)
+    ]
     for thread in threads:
         thread.start()
-    inside.wait()
-    store.get("main-thread")
-    assert clients() > before
-    store.close()
-    assert clients() <= before
-    done.set()
+    try:
+        inside.wait(30)
+        store.get("main-thread")
+        assert clients() > before
+        store.close()
+        # The server drops a closed connection when it reads the close: wait for
+        # it (a connection that stayed open would be listed for ever).
+        deadline = time.monotonic() + 10
+        while clients() > before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert clients() <= before
+    finally:
+        done.set()
     for thread in threads:
         thread.join()
     assert store.get("after-close") is None  # reconnects on next use
