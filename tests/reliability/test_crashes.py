@@ -165,7 +165,8 @@ def test_without_acks_late_the_lock_waits_for_the_reaper_or_its_ttl(
     hang = {"hang": 120, "hang_runs": 1}
     victim = producer.call(task, (1, hang), unique_until="finish", unique_for=120)
     victim_token = producer.last.token if producer.last else ""
-    kept = producer.call(task, (2, hang), unique_until="success", unique_for=6)
+    # Long enough to outlive the kills and the reap subprocess on a loaded machine.
+    kept = producer.call(task, (2, hang), unique_until="success", unique_for=30)
     kept_token = producer.last.token if producer.last else ""
     live = producer.call(task, (3, hang), unique_until="finish", unique_for=120)
     live_token = producer.last.token if producer.last else ""
@@ -195,7 +196,7 @@ def test_without_acks_late_the_lock_waits_for_the_reaper_or_its_ttl(
     assert store.get(live.deduplication_key) is not None
     assert reap(app) == []
     assert producer.call(task, (1, {}), unique_until="finish").deduplicated is False
-    poll(lambda: store.get(kept.deduplication_key) is None, 15, what="success lock expired")
+    poll(lambda: store.get(kept.deduplication_key) is None, 45, what="success lock expired")
     assert store.get(live.deduplication_key) is not None
     store.close()
     worker.kill()
