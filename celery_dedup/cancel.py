@@ -33,7 +33,14 @@ from .exceptions import CancelOwnRunError, CancelTimeout
 from .identity import deterministic_task_id
 from .lifecycle import DedupTaskLike
 from .signals import holder_cancelled
-from .stores.base import Lock, LockStore, QueuedTakeOver, RevokeOutcome, revoking_take_over
+from .stores.base import (
+    Lock,
+    LockStore,
+    QueuedTakeOver,
+    RevokeOutcome,
+    replace_holder,
+    revoking_take_over,
+)
 from .worker import header_of
 
 __all__ = ["POLICY", "cancel_and_acquire", "dismiss", "drop_message", "in_canvas"]
@@ -88,23 +95,12 @@ def cancel_and_acquire(
     pause = _POLL
     while True:
         revoked_ttl = runtime.settings.revoked_ttl
-        revoking = revoking_take_over(store)
-        if revoking is not None:
-            # A queued holder is taken over and its marker written in one step.
-            holder = revoking.take_over_revoking(
-                key, owner, ttl, meta, revoked_ttl, queued_only=True
-            )
-            if holder is None or holder.owner == owner:
+        if revoking_take_over(store) is not None or isinstance(store, QueuedTakeOver):
+            # A queued holder is taken over and refused its start (its marker).
+            holder = replace_holder(store, key, owner, ttl, meta, revoked_ttl, queued_only=True)
+            if holder is None:
                 return None
             if not holder.started:
-                return holder
-        elif isinstance(store, QueuedTakeOver):
-            holder = store.take_over_queued(key, owner, ttl, meta)
-            if holder is None or holder.owner == owner:
-                return None
-            if not holder.started:
-                # The key is ours; the marker refuses the holder's start.
-                store.revoke(key, holder.owner, max(holder.ttl, revoked_ttl))
                 return holder
         else:
             holder = store.acquire(key, owner, ttl, meta)

@@ -425,23 +425,39 @@ def revoking_take_over(store: LockStore) -> RevokingTakeOver | None:
 
 
 def replace_holder(
-    store: LockStore, key: str, owner: str, ttl: float, meta: LockMeta, revoked_ttl: float
+    store: LockStore,
+    key: str,
+    owner: str,
+    ttl: float,
+    meta: LockMeta,
+    revoked_ttl: float,
+    *,
+    queued_only: bool = False,
 ) -> Lock | None:
     """Make ``owner`` the holder of ``key`` and mark the displaced owner revoked.
 
     One round trip on a ``RevokingTakeOver`` store, else a take-over and a
     revoke. The marker lives the displaced lock's remaining TTL, at least
     ``revoked_ttl``. Returns the displaced holder, or ``None`` when the key
-    was free or already ``owner``'s (a re-sent command's own write).
+    was free or already ``owner``'s (a re-sent command's own write). With
+    ``queued_only`` (the store must have ``QueuedTakeOver`` or
+    ``RevokingTakeOver``) a started holder keeps the key: it is returned,
+    not revoked.
     """
     revoking = revoking_take_over(store)
     if revoking is not None:
-        previous = revoking.take_over_revoking(key, owner, ttl, meta, revoked_ttl)
+        previous = revoking.take_over_revoking(
+            key, owner, ttl, meta, revoked_ttl, queued_only=queued_only
+        )
         return None if previous is None or previous.owner == owner else previous
-    previous = store.take_over(key, owner, ttl, meta)
+    if queued_only:
+        previous = cast(QueuedTakeOver, store).take_over_queued(key, owner, ttl, meta)
+    else:
+        previous = store.take_over(key, owner, ttl, meta)
     if previous is None or previous.owner == owner:
         return None
-    store.revoke(key, previous.owner, max(previous.ttl, revoked_ttl))
+    if not (queued_only and previous.started):
+        store.revoke(key, previous.owner, max(previous.ttl, revoked_ttl))
     return previous
 
 
