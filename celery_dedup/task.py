@@ -13,11 +13,9 @@ from typing import TYPE_CHECKING, Any, Final, cast
 
 from celery import Celery, Task
 from celery.app.routes import Router
-from celery.app.task import Context
-from celery.exceptions import Ignore, Reject, Retry
 from celery.utils import uuid
 
-from . import cancel, coalesce, debounce, events, key_reuse, native, rates, slots, worker
+from . import cancel, coalesce, debounce, envelope, events, key_reuse, native, rates, worker
 from .exceptions import (
     DeduplicationUnavailable,
     DuplicateTaskError,
@@ -241,6 +239,10 @@ class DedupTask(_Task):
         if cls.__dict__.get("unique_on") is not None and "run" in cls.__dict__:
             # Unknown parameter names fail at definition, not at the first call.
             ArgumentBinder(cls.run, task_name, _validate_unique_on(cls.unique_on, "unique_on"))
+        if not envelope.is_wrapped(cls.__call__):
+            # An override that skips ``super().__call__`` (Flask's FlaskTask)
+            # must not run the body outside the start claim and release.
+            cls.__call__ = envelope.wrap_call(cls.__call__)  # type: ignore[method-assign]
         key_callable = cls.__dict__.get("deduplication_key")
         if key_callable is not None and not isinstance(key_callable, staticmethod):
             # A function stored on the class would become a bound method.
@@ -1010,45 +1012,15 @@ class DedupTask(_Task):
         return super().start_strategy(app, consumer, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the body under the start claim; release per policy before the result is stored.
+        """Run the body inside the worker's envelope (``celery_dedup.envelope``).
 
         The tracer stores SUCCESS/FAILURE only after this returns, so a
-        ``result.get()`` that returns means the lock is already released.
+        ``result.get()`` that returns means the lock is already released. A
+        subclass's own ``__call__`` is wrapped the same way (``__init_subclass__``).
         """
-        request = self.request
-        if request.called_directly:
-            return super().__call__(*args, **kwargs)
-        slot = slots.enter(self, request, args, kwargs)  # a full limit defers the message
-        try:
-            return self._call_claimed(request, args, kwargs)
-        finally:
-            slots.leave(slot)
+        return envelope.run(self, super().__call__, args, kwargs)
 
-    def _call_claimed(self, request: Context, args: Any, kwargs: Any) -> Any:
-        """``__call__`` inside the task's concurrency slot (if it has a limit)."""
-        held = worker.claim_at_start(self, str(request.id), args, kwargs, request)
-        if held is None:
-            return super().__call__(*args, **kwargs)
-        request.dedup_held = held  # type: ignore[attr-defined]  # seen by on_replace
-        try:
-            retval = super().__call__(*args, **kwargs)
-        except Retry:
-            worker.finish(self, held, Outcome.RETRIED)  # the retry holds the lock
-            raise
-        except Ignore:
-            worker.finish(self, held, Outcome.IGNORED)
-            raise
-        except Reject as exc:
-            requeued = getattr(exc, "requeue", False)
-            worker.finish(
-                self, held, Outcome.REQUEUED if requeued else Outcome.REJECTED
-            )
-            raise
-        except Exception:
-            worker.finish(self, held, Outcome.FAILURE)
-            raise
-        worker.finish(self, held, Outcome.SUCCESS)
-        return retval
+    setattr(__call__, envelope.MARK, True)
 
     def on_failure(self, exc: Exception, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
         """A hard time limit seen by a ``task_received`` receiver: release from the main process.

@@ -1,6 +1,6 @@
 """Worker-side lock handling: the start claim, release per outcome, revokes and retries.
 
-Runs in pool children (``DedupTask.__call__``) and in the worker's main
+Runs in pool children (the envelope around the body, ``envelope``) and in the worker's main
 process (``task_revoked``, hard time limits, the ``dedup_terminate`` control
 command). Ownership is the publish's owner token from the ``celery_dedup``
 header, never the task id, so two runs sharing a task id (deterministic ids,

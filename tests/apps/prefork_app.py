@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 
-from celery import Celery
+from celery import Celery, Task
 
 from celery_dedup import DedupTask
 
@@ -30,3 +30,22 @@ def overrun(x: int) -> int:
 def quick(x: int) -> int:
     """Succeeds in a pool child; releases its lock there."""
     return x * 2
+
+
+class FlaskStyle(Task):  # type: ignore[type-arg]
+    """Flask's documented base task: ``__call__`` runs ``self.run`` itself, no ``super()``."""
+
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        return self.run(*args, **kwargs)
+
+
+class FlaskDedupTask(FlaskStyle, DedupTask):
+    """The override resolves first: celery-dedup's envelope must wrap it."""
+
+
+@app.task(base=FlaskDedupTask, unique_for=60, unique_until="finish")
+def flask_style(x: int) -> int:
+    """Fails for a negative ``x``: ``finish`` releases after success and after failure."""
+    if x < 0:
+        raise ValueError(x)
+    return x * 3

@@ -94,3 +94,17 @@ def test_hard_time_limit_releases_finish_lock(prefork_worker: None) -> None:
     fresh = prefork_app.overrun.delay(1)
     assert fresh.deduplicated is False
     prefork_app.app.control.revoke(fresh.id)
+
+
+def test_a_call_override_without_super_releases_from_the_pool_child(
+    prefork_worker: None,
+) -> None:
+    """Flask's base-task pattern in a prefork child: released before each result is stored."""
+    app = prefork_app.app
+    ok, failed = prefork_app.flask_style.delay(2), prefork_app.flask_style.delay(-1)
+    assert prefork_app.flask_style.delay(2).deduplicated is True
+    assert ok.get(timeout=30) == 6
+    assert inspect_lock(ok.deduplication_key, app=app) is None
+    with pytest.raises(ValueError):
+        failed.get(timeout=30)
+    assert inspect_lock(failed.deduplication_key, app=app) is None

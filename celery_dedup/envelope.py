@@ -1,0 +1,99 @@
+"""The worker's envelope around a task body: slot, start claim, body, end per policy.
+
+Celery's tracer calls ``task.__call__`` (whenever a class defines one) and
+stores the result only after it returned, so the envelope wraps the
+``__call__`` the task class resolves: the end of a run (done marker,
+release per policy) lands **before** the result is stored, and a
+``result.get()`` that returns means an identical call is accepted again.
+
+A subclass that overrides ``__call__`` without calling ``super()`` (Flask's
+documented ``FlaskTask.__call__`` runs ``self.run`` inside an app context;
+celery-eternal's task class) would otherwise run its body outside the
+envelope: no claim, no lease, no slot, no release. ``DedupTask.__init_subclass__``
+therefore wraps every ``__call__`` a subclass resolves (``wrap_call``), and
+the envelope is re-entrant: an override that does call ``super().__call__``
+runs the envelope once, at the outermost call.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from celery.exceptions import Ignore, Reject, Retry
+
+from . import slots, worker
+from .lifecycle import Outcome
+
+if TYPE_CHECKING:
+    from .task import DedupTask
+
+__all__ = ["is_wrapped", "run", "wrap_call"]
+
+#: marks a ``__call__`` that runs the envelope (``wrap_call``, ``DedupTask.__call__``)
+MARK = "_dedup_envelope"
+#: the request attribute telling a nested ``__call__`` that the envelope runs already
+_INSIDE = "dedup_enveloped"
+
+
+def is_wrapped(call: Any) -> bool:
+    """Whether ``call`` (a class's resolved ``__call__``) runs the envelope."""
+    return bool(getattr(call, MARK, False))
+
+
+def wrap_call(call: Callable[..., Any]) -> Callable[..., Any]:
+    """A ``__call__`` that runs ``call`` (an override's own) inside the envelope."""
+
+    @functools.wraps(call)
+    def enveloped(self: DedupTask, *args: Any, **kwargs: Any) -> Any:
+        return run(self, functools.partial(call, self), args, kwargs)
+
+    setattr(enveloped, MARK, True)
+    return enveloped
+
+
+def run(task: DedupTask, call: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    """Run ``call(*args, **kwargs)`` (the body, through whatever ``__call__`` the class
+    has) inside this message's concurrency slot and start claim, ending the run
+    per policy before the tracer stores its result.
+    """
+    request = task.request
+    if request.called_directly or getattr(request, _INSIDE, False):
+        return call(*args, **kwargs)
+    setattr(request, _INSIDE, True)
+    try:
+        slot = slots.enter(task, request, args, kwargs)  # a full limit defers the message
+        try:
+            return _claimed(task, request, call, args, kwargs)
+        finally:
+            slots.leave(slot)
+    finally:
+        setattr(request, _INSIDE, False)
+
+
+def _claimed(
+    task: DedupTask, request: Any, call: Callable[..., Any], args: Any, kwargs: Any
+) -> Any:
+    """The body under its start claim; the end of the run recorded per outcome."""
+    held = worker.claim_at_start(task, str(request.id), args, kwargs, request)
+    if held is None:
+        return call(*args, **kwargs)
+    request.dedup_held = held  # seen by on_replace
+    try:
+        retval = call(*args, **kwargs)
+    except Retry:
+        worker.finish(task, held, Outcome.RETRIED)  # the retry holds the lock
+        raise
+    except Ignore:
+        worker.finish(task, held, Outcome.IGNORED)
+        raise
+    except Reject as exc:
+        requeued = getattr(exc, "requeue", False)
+        worker.finish(task, held, Outcome.REQUEUED if requeued else Outcome.REJECTED)
+        raise
+    except Exception:
+        worker.finish(task, held, Outcome.FAILURE)
+        raise
+    worker.finish(task, held, Outcome.SUCCESS)
+    return retval
