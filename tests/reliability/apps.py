@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any, cast
 
 from billiard.exceptions import SoftTimeLimitExceeded
-from celery import Celery
+from celery import Celery, Task
 
 from celery_dedup import DedupTask
 
@@ -68,8 +68,27 @@ def run_plan(task: Any, recorder: Recorder, n: int, plan: Mapping[str, Any]) -> 
     return n
 
 
+#: a ``conf`` key (not a Celery setting): ``rel.work``'s class overrides ``__call__``
+CALL_OVERRIDE = "rel_call_override"
+
+
+class _RunsItself(Task):  # type: ignore[type-arg]
+    """Flask's documented base task: ``__call__`` runs ``self.run``, never ``super()``."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.run(*args, **kwargs)
+
+
+class CallOverrideTask(_RunsItself, DedupTask):
+    """A ``DedupTask`` whose resolved ``__call__`` is an override (the envelope wraps it)."""
+
+
 def make_app(conf: Mapping[str, Any], recorder_url: str, *, probes: bool = False) -> Celery:
-    """An app with ``rel.work`` on ``conf``; ``probes`` records worker signals (workers only)."""
+    """An app with ``rel.work`` on ``conf``; ``probes`` records worker signals (workers only).
+
+    With ``conf[CALL_OVERRIDE]`` the task's class overrides ``__call__`` as
+    Flask's base task does.
+    """
     app = Celery("reliability", set_as_current=False)
     app.conf.update(
         {
@@ -84,7 +103,7 @@ def make_app(conf: Mapping[str, Any], recorder_url: str, *, probes: bool = False
     recorder = Recorder(recorder_url)
 
     @app.task(
-        base=DedupTask,
+        base=CallOverrideTask if conf.get(CALL_OVERRIDE) else DedupTask,
         bind=True,
         shared=False,
         name=WORK,

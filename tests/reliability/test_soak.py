@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
+import random
 import time
 from collections import Counter
 from pathlib import Path
@@ -20,6 +21,7 @@ import pytest
 from celery_dedup.stores import store_from_url
 from tests.fixtures._store_case import StoreCase
 
+from .apps import CALL_OVERRIDE
 from .conftest import Backends
 from .model import Kind, Trace, check, summary, unfinished
 from .probe import Recorder, Scanner, poll, scan_once
@@ -96,7 +98,9 @@ def test_soak_finds_no_violation(
     url = store_url(fixture, backends, request)
     settings, max_countdown = FAULTS[fault]
     plan = dataclasses.replace(SoakPlan.from_env(), max_countdown=max_countdown)
-    conf = backends.conf(dedup_store=url, **settings)
+    # Drawn per run (replayed by the seed): the task's class overrides __call__.
+    override = random.Random(f"{plan.seed}:{fault}").random() < 0.5
+    conf = backends.conf(dedup_store=url, **settings, **{CALL_OVERRIDE: override})
     workers.start(conf, count=2, concurrency=2)
     store = store_from_url(url)
     context = multiprocessing.get_context("spawn")
@@ -117,7 +121,10 @@ def test_soak_finds_no_violation(
     (tmp_path / "trace.json").write_text(trace.to_json())
     # memcached counts TTLs in whole seconds: a lock may outlive its TTL by ~4 s (documented).
     findings = check(trace, ttl_slack=4.0 if fixture == "store_memcached" else 0.0)
-    report = f"{fault}: seed {plan.seed}, {scanner.count} scans; {describe(trace)}"
+    report = (
+        f"{fault}: seed {plan.seed}, __call__ override {override}, {scanner.count} scans; "
+        f"{describe(trace)}"
+    )
     assert not findings, f"{summary(findings)}\n{report}\ntrace: {tmp_path / 'trace.json'}"
     # The run exercised what it claims to (not a vacuous pass).
     outcomes = Counter(c.outcome for c in trace.calls)
