@@ -18,6 +18,7 @@ runs the envelope once, at the outermost call.
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -95,5 +96,36 @@ def _claimed(
     except Exception:
         worker.finish(task, held, Outcome.FAILURE)
         raise
+    except BaseException as exc:
+        if _greenlet_killed(exc):
+            worker.finish(task, held, _killed_outcome())
+        raise
     worker.finish(task, held, Outcome.SUCCESS)
     return retval
+
+
+def _greenlet_killed(exc: BaseException) -> bool:
+    """Whether ``exc`` is a gevent/eventlet pool killing this body's greenlet.
+
+    Those pools terminate a task (a revoke with ``terminate=True``,
+    ``cancel_running``) by raising ``GreenletExit`` in it: the body's
+    ``finally`` blocks run, its ``except Exception`` blocks do not.
+    """
+    greenlet = sys.modules.get("greenlet")
+    killed = getattr(greenlet, "GreenletExit", None)
+    return killed is not None and isinstance(exc, killed)
+
+
+def _killed_outcome() -> Outcome:
+    """A killed greenlet: terminated by a revoke, or by the worker's cold shutdown.
+
+    A shutdown puts the message back (``acks_late``) or loses it as Celery
+    does: its lease is given up and its lock kept, never a done marker that
+    would make the redelivered copy skip as "already ran".
+    """
+    from celery.worker import state as worker_state
+
+    flags = (worker_state.should_stop, worker_state.should_terminate)
+    if any(flag is not None and flag is not False for flag in flags):  # (an exit code, 0 too)
+        return Outcome.REQUEUED
+    return Outcome.REVOKED

@@ -86,6 +86,7 @@ def subprocess_worker(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     concurrency: int = 2,
+    pool: str = "prefork",
 ) -> Iterator[Worker]:
     """A prefork worker of ``module``'s ``app`` (started by the test); broker, results
     and the runs log on databases ``dbs`` of the test Redis; locks per ``request.param``."""
@@ -107,7 +108,7 @@ def subprocess_worker(
         dedup_store=store or None,
     )
     proc = Worker(env, tmp_path / "worker.log", app_module=module, queue=queue,
-                  concurrency=concurrency)
+                  concurrency=concurrency, pool=pool)
     try:
         yield proc
     finally:

@@ -179,12 +179,14 @@ class Worker:
         app_module: str = __name__,
         queue: str = QUEUE,
         concurrency: int = 1,
+        pool: str = "prefork",
     ) -> None:
         self.env = env
         self.log = log
         self.app_module = app_module
         self.queue = queue
         self.concurrency = concurrency
+        self.pool = pool
         self.proc: subprocess.Popen[bytes] | None = None
         #: where the current process's lines start in the log
         self.offset = 0
@@ -202,7 +204,7 @@ class Worker:
                     self.app_module,
                     "worker",
                     "-P",
-                    "prefork",
+                    self.pool,
                     "-c",
                     str(self.concurrency),
                     "-Q",
