@@ -125,7 +125,7 @@ def _killed_outcome() -> Outcome:
     """
     from celery.worker import state as worker_state
 
-    flags = (worker_state.should_stop, worker_state.should_terminate)
+    flags: tuple[Any, ...] = (worker_state.should_stop, worker_state.should_terminate)
     if any(flag is not None and flag is not False for flag in flags):  # (an exit code, 0 too)
         return Outcome.REQUEUED
     return Outcome.REVOKED
