@@ -17,7 +17,7 @@ reason, the countdown follows one curve:
   messages deferred together do not come back together;
 * **within the visibility timeout**: never longer than ``ceiling`` of the
   broker's ``visibility_timeout`` (Redis, SQS), the timeout minus a margin
-  (``MARGIN`` seconds or ``MARGIN_SHARE`` of it, the larger, and never
+  (``MARGIN``, half a second, or ``MARGIN_SHARE``, a tenth of it, the larger; never
   below half of it). The worker holds a message waiting for its countdown
   unacknowledged; a countdown the transport outlasts would have it
   restore the message to the queue, and every restored copy would be
@@ -60,7 +60,7 @@ CAP: Final = 60.0
 #: Seconds kept between a countdown and the broker's ``visibility_timeout``
 #: (or ``MARGIN_SHARE`` of the timeout, when that is more): the time between
 #: the ETA and the acknowledgement of the copy the worker then defers again.
-MARGIN: Final = 1.0
+MARGIN: Final = 0.5
 MARGIN_SHARE: Final = 0.1
 #: Deferral counts above this are read as this (``FACTOR ** 64`` is plenty).
 _MOST: Final = 64
