@@ -13,6 +13,7 @@ The hierarchy::
     ├── CancelOwnRunError (RuntimeError)       cancel_running called by the run holding the key
     ├── RateLimited                            rate_limit_per_key is reached (``retry_after``)
     ├── DeduplicationUnavailable (RuntimeError) no usable store and dedup_fallback="closed"
+    ├── MalformedHeader (ValueError)           a message's celery_dedup header cannot be decoded
     ├── StoreError                             a store operation failed (never a driver's exception)
     │   ├── StoreUnavailable (ConnectionError) the lock store cannot be reached
     │   ├── StoreContention                    the store stayed contended after bounded retries
@@ -54,6 +55,7 @@ __all__ = [
     "KeyReuseError",
     "KeyReuseWarning",
     "LimitsNotSupported",
+    "MalformedHeader",
     "MissingDeduplicationKey",
     "RateLimited",
     "ScanNotSupported",
@@ -243,6 +245,26 @@ class DeduplicationUnavailable(DedupError, RuntimeError):
         self._keep(message, message, task_name, reason)
         self.task_name = task_name
         self.reason = reason
+
+
+E_MALFORMED_HEADER = "malformed celery_dedup header: {field} is {value}; expected {expected}"
+
+
+class MalformedHeader(DedupError, ValueError):
+    """A message's ``celery_dedup`` header cannot be decoded.
+
+    Raised by ``LockHeader.decode``; the worker never lets it out: it logs
+    it once per message and handles the message as one without the header
+    (its guard computes the key). ``field`` names the part that is wrong,
+    ``value`` is a short repr of what it held.
+    """
+
+    def __init__(self, field: str, value: str, expected: str) -> None:
+        message = E_MALFORMED_HEADER.format(field=field, value=value, expected=expected)
+        self._keep(message, field, value, expected)
+        self.field = field
+        self.value = value
+        self.expected = expected
 
 
 class StoreError(DedupError):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -126,14 +125,14 @@ def enter(task: DedupTask, request: Any, args: Any, kwargs: Any) -> Slot | None:
     except StoreError as exc:
         if runtime.settings.fallback is Fallback.CLOSED:
             reason = f"the store did not answer: {exc}"
-            worker._defer(task, request, args, kwargs, key, reason, None)
+            worker._defer(task, request, args, kwargs, key, reason)
         logger.warning(
             "celery-dedup: %s[%s] runs without its slot: %s", task.name, request.id, exc
         )
         return None
     if not taken:
+        # The deferral backoff grows from the limit's own first step.
         base = limits.backoff if limits.backoff is not None else ttl / 3.0
-        countdown = base * random.uniform(0.5, 1.0)
         worker._defer(
             task,
             request,
@@ -141,8 +140,7 @@ def enter(task: DedupTask, request: Any, args: Any, kwargs: Any) -> Slot | None:
             kwargs,
             key,
             f"concurrency limit {limits.concurrency} reached ({in_use} running)",
-            None,
-            countdown=countdown,
+            base,
         )
     slot = Slot(store, key, holder, ttl)
     _keeper.add(slot)

@@ -28,9 +28,9 @@ from celery.worker.control import control_command
 from celery.worker.request import Request
 from kombu.serialization import registry  # type: ignore[attr-defined]
 
-from . import coalesce, leases, runs
-from .exceptions import StoreContention, StoreError, StoreUnavailable
-from .header import HEADER, LockHeader, new_token, read_header
+from . import backoff, coalesce, leases, runs
+from .exceptions import MalformedHeader, StoreContention, StoreError, StoreUnavailable
+from .header import HEADER, MAX_TOKEN, LockHeader, new_token, read_header
 from .identity import bound_queue, deterministic_task_id
 from .lifecycle import DedupTaskLike, Held, Outcome, meta_for
 from .options import Fallback
@@ -121,7 +121,7 @@ def republish_as_holder(
     claim then finds the other holder and skips, so the work runs once).
     """
     current = task.app.current_worker_task
-    header = read_header(options.get("headers")) or (
+    header = header_in(options.get("headers")) or (
         current.dedup_header(task_id)
         if current is not None and hasattr(current, "dedup_header")
         else None
@@ -292,8 +292,7 @@ def claim_at_start(
     if header is None:
         if request.is_eager:
             return None  # task.apply() and eager canvas members: never went through a broker
-        queue = delivered_queue(task, request.delivery_info or {}, args, kwargs)
-        header = guard_header(task, task_id, args, kwargs, queue)
+        header = _guard_of_running(task, request, task_id, args, kwargs)
         if header is None:
             return None
     key = header.key
@@ -388,7 +387,8 @@ def _claim_run(
         # The same publish ran to its end already: a copy the broker redelivered.
         _skip(task, request.id, run.key, request.id, "already ran")
     if outcome is RunOutcome.RUNNING:
-        _defer(task, request, args, kwargs, run.key, "a copy of it is running", lease)
+        # A live lease is renewed every third of it: looking sooner is pointless.
+        _defer(task, request, args, kwargs, run.key, "a copy of it is running", lease / 3.0)
     if outcome is RunOutcome.WAITING:
         _wait_for_gate(task, request, store, run, args, kwargs, lease)
     assert claim is not None
@@ -407,16 +407,17 @@ def _wait_for_gate(
     """``keep_last``: defer while the key's previous run is in progress (its gate is held).
 
     Deferred, never run beside it, never failed, never dropped: the message
-    comes back shortly (``coalesce.WAIT``, at most a third of the lease) and
-    tries again; its lock is kept alive meanwhile, so a newer call replaces
-    this follow-up instead of finding the key free.
+    comes back after the deferral backoff (first step ``coalesce.WAIT``, at
+    most a third of the lease) and tries again; its lock is kept alive for
+    that countdown and ``unique_for`` more, so a newer call replaces this
+    follow-up instead of finding the key free.
     """
-    wait = coalesce.wait_for(lease)
+    wait = deferral_countdown(task, request, coalesce.wait_for(lease))
     header = header_of(request)
     unique_for = header.unique_for if header is not None else 0.0
     coalesce.keep_waiting(store, run.key, run.owner, wait + unique_for)
     reason = "the previous run of its key is in progress"
-    _defer(task, request, args, kwargs, run.key, reason, lease, countdown=wait)
+    _defer(task, request, args, kwargs, run.key, reason, countdown=wait)
     raise AssertionError("unreachable")  # _defer raises Ignore
 
 
@@ -447,7 +448,7 @@ def _claim_failed(
         if run is not None:
             _abandon_run(task, runtime.store or _never(), run)
         reason = f"the store did not answer: {exc}"
-        _defer(task, request, args, kwargs, key, reason, None, keep_token=True)
+        _defer(task, request, args, kwargs, key, reason, keep_token=True)
     logger.warning("celery-dedup: %s[%s] runs unchecked: %s", task.name, task_id, exc)
     return Held(
         runtime.store or _never(),
@@ -464,6 +465,18 @@ def _never() -> LockStore:
     raise AssertionError("a claim was attempted without a store")
 
 
+def deferral_countdown(task: DedupTaskLike, request: Any, base: float | None = None) -> float:
+    """The countdown of this message's next deferral (``backoff``: exponential, jittered,
+    capped, within the broker's ``visibility_timeout``); ``base`` is the reason's first step.
+    """
+    settings = task.dedup_config().runtime.settings
+    return backoff.countdown(
+        backoff.deferrals_of(request, runs.attempt_of(request)),
+        base=backoff.BASE if base is None else base,
+        visibility_timeout=settings.visibility_timeout,
+    )
+
+
 def _defer(
     task: DedupTaskLike,
     request: Any,
@@ -471,7 +484,7 @@ def _defer(
     kwargs: Any,
     key: str,
     reason: str,
-    lease: float | None,
+    base: float | None = None,
     *,
     countdown: float | None = None,
     keep_token: bool = False,
@@ -480,10 +493,12 @@ def _defer(
 
     The copy keeps its task id, header and options (Celery's
     ``signature_from_request``, as ``retry()`` builds them) but not its
-    retry count: it is the same attempt. It comes back after a third of the
-    lease (a copy waiting for a running one), a short backoff (a store
-    that did not answer) or ``countdown`` when given (a full concurrency
-    limit: ``limits``). No state is written: the id is the running copy's.
+    retry count: it is the same attempt. It comes back after the deferral
+    backoff (``deferral_countdown``, from ``base``: a third of the lease for
+    a copy waiting for a running one, a second for a store that did not
+    answer, a full concurrency limit's own), or ``countdown`` when the
+    caller drew it already; the new copy carries its deferral count
+    (``backoff.FIELD``). No state is written: the id is the running copy's.
     With ``keep_token`` (a start claim the store did not answer: its lease
     may still land) it carries its delivery token for the copy that claims
     next to inherit (``RunRef.inherits``); never as that copy's own token:
@@ -492,12 +507,15 @@ def _defer(
     from celery.app.task import Task
 
     if countdown is None:
-        countdown = lease / 3.0 if lease is not None else 1.0
+        countdown = deferral_countdown(task, request, base)
+    attempt = runs.attempt_of(request)
+    deferrals = backoff.deferrals_of(request, attempt) + 1
     logger.info(
-        "celery-dedup: %s[%s] deferred by %.1fs (lock %s: %s)",
+        "celery-dedup: %s[%s] deferred by %.1fs (deferral %d, lock %s: %s)",
         task.name,
         request.id,
         countdown,
+        deferrals,
         short(key),
         reason,
     )
@@ -517,6 +535,7 @@ def _defer(
         headers[HEADER] = header.encode()
     headers.pop(runs.DELIVERY_FIELD, None)
     headers.pop(runs.INHERITED_FIELD, None)
+    headers[backoff.FIELD] = backoff.mark(attempt, deferrals)
     token = getattr(request, runs.DELIVERY_FIELD, None)
     if keep_token and token:
         # The store did not answer: the lease may still land (a stalled server
@@ -615,8 +634,39 @@ def _not_owned(
 
 
 def header_of(request: Any) -> LockHeader | None:
-    """The ``celery_dedup`` header of a running request (a pool child's ``task.request``)."""
-    return read_header(request.headers) or read_header({HEADER: getattr(request, HEADER, None)})
+    """The ``celery_dedup`` header of a running request (a pool child's ``task.request``).
+
+    ``None`` for a header that cannot be decoded too (the worker's main
+    process logged it when the message arrived and put the guard's in its place).
+    """
+    return header_in(getattr(request, "headers", None)) or header_in(
+        {HEADER: getattr(request, HEADER, None)}
+    )
+
+
+def header_in(headers: Any) -> LockHeader | None:
+    """``read_header`` that never raises: a malformed header reads as none (logged at DEBUG).
+
+    For the worker's hooks after the message's arrival, where the main
+    process already logged a malformed header once (``screen_header``).
+    """
+    try:
+        return read_header(headers)
+    except MalformedHeader as exc:
+        logger.debug("celery-dedup: ignoring a malformed header: %s", exc)
+        return None
+
+
+def _guard_of_running(
+    task: DedupTaskLike, request: Any, task_id: str, args: Any, kwargs: Any
+) -> LockHeader | None:
+    """The guard of a running message without a header; ``None`` (runs unguarded) on any error."""
+    try:
+        queue = delivered_queue(task, request.delivery_info or {}, args, kwargs)
+    except Exception as exc:  # a router's error on odd arguments: never the message's end
+        logger.warning("celery-dedup: %s[%s] runs unguarded: %s", task.name, task_id, exc)
+        return None
+    return guard_header(task, task_id, args, kwargs, queue)
 
 
 def _defer_to_pending_replacement(
@@ -647,7 +697,8 @@ def _defer_to_pending_replacement(
         holder.task_id,
         short(key),
     )
-    _come_back(task, min(0.5 * 2**retries, 30.0))
+    vt = task.dedup_config().runtime.settings.visibility_timeout
+    _come_back(task, backoff.within_visibility(min(0.5 * 2**retries, 30.0), vt))
 
 
 def _come_back(task: DedupTaskLike, countdown: float) -> NoReturn:
@@ -742,7 +793,7 @@ def header_from_main_process(task_id: str) -> LockHeader | None:
     request = _received_request(task_id)
     if request is None:
         return None
-    return read_header(request.request_dict)
+    return header_in(request.request_dict)
 
 
 def release_from_main_process(
@@ -763,7 +814,7 @@ def release_killed_run(task: DedupTaskLike, request: Any, outcome: Outcome) -> N
 
     A guard lock (``send_task``) is released too: the run it throttled was killed.
     """
-    header = read_header(request.request_dict) or guard_header_of(task, request)
+    header = header_in(request.request_dict) or guard_header_of(task, request)
     store = task.dedup_config().runtime.store
     if header is None or header.key is None or store is None:
         return
@@ -792,7 +843,7 @@ def _give_delivery_token(task: DedupTaskLike, request: Any) -> None:
     owner); this process renews the lease while the request is active.
     """
     request_dict = request.request_dict
-    header = read_header(request_dict)
+    header = header_in(request_dict)
     if header is None or header.key is None:
         return
     try:
@@ -813,6 +864,62 @@ def _give_delivery_token(task: DedupTaskLike, request: Any) -> None:
     owner = header.owner(str(request.id))
     run = RunRef(header.key, owner, runs.attempt_of(request_dict), token, header.last)
     leases.remember(request, store, run, runtime.settings.lease_ttl)
+
+
+def receive(task: DedupTaskLike, request: Any) -> None:
+    """The worker's main process received a message of ``task``: prepare it; never raises.
+
+    The header is screened (``screen_header``), a message without one gets
+    its guard, and its delivery token. Any error here is logged and the
+    message goes on as plain Celery would handle it (its start claim runs
+    in the pool child, whatever failed here): nothing a message carries
+    and no store answer may reach Celery's consumer loop, which would stop
+    the worker (and every restarted worker, on the same restored message).
+    """
+    try:
+        screen_header(task, request)
+        _guard_unannounced(task, request)  # one dict lookup for a message with the header
+        _give_delivery_token(task, request)
+    except Exception:
+        logger.exception(
+            "celery-dedup: could not prepare %s[%s]; it is handled by its start claim alone",
+            getattr(task, "name", "?"),
+            getattr(request, "id", "?"),
+        )
+
+
+def screen_header(task: DedupTaskLike, request: Any) -> None:
+    """Drop a ``celery_dedup`` header that cannot be decoded, and hostile run fields.
+
+    Logged once per received message (ERROR, with the task, its id and
+    what was wrong); the message is then handled as one without a header:
+    its guard computes its key (``_guard_unannounced``), so a forged header
+    can neither stop the worker nor bypass deduplication. Every later hook
+    of the message reads the request as screened here.
+    """
+    request_dict = request.request_dict
+    if request_dict.get(HEADER) is not None:
+        try:
+            LockHeader.decode(request_dict[HEADER])
+        except MalformedHeader as exc:
+            logger.error(
+                "celery-dedup: %s[%s] carries a malformed header (%s); handled as a "
+                "message without one (its guard decides)",
+                task.name,
+                request.id,
+                exc,
+            )
+            del request_dict[HEADER]
+    for field in (runs.DELIVERY_FIELD, runs.INHERITED_FIELD):
+        value = request_dict.get(field)
+        if value is not None and not (isinstance(value, str) and 0 < len(value) <= MAX_TOKEN):
+            logger.error(
+                "celery-dedup: %s[%s] carries a malformed %s field; ignored",
+                task.name,
+                request.id,
+                field,
+            )
+            del request_dict[field]
 
 
 def _guard_unannounced(task: DedupTaskLike, request: Any) -> None:
@@ -841,8 +948,7 @@ class DedupRequest(Request):
         super().__init__(message, *args, **kwargs)
         task: Any = self.task
         if hasattr(task, "dedup_config"):
-            _guard_unannounced(task, self)  # one dict lookup for a message with the header
-            _give_delivery_token(task, self)
+            receive(task, self)
 
     def on_failure(
         self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
@@ -853,7 +959,7 @@ class DedupRequest(Request):
         if not return_ok and isinstance(exc, TimeLimitExceeded):
             self._release_killed_run()
         elif isinstance(exc, WorkerLostError):
-            abandon_lost_run(self)
+            _contained(abandon_lost_run, self)
         super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
     def on_timeout(self, soft: bool, timeout: float) -> None:
@@ -870,7 +976,19 @@ class DedupRequest(Request):
             return  # a cold shutdown records nothing either
         if not getattr(self, "_dedup_released", False):
             self._dedup_released = True
-            release_killed_run(task, self, Outcome.FAILURE)
+            _contained(release_killed_run, task, self, Outcome.FAILURE)
+
+
+def _contained(hook: Callable[..., None], *args: Any) -> None:
+    """Run a main-process hook of a killed run; its error is logged, never raised.
+
+    These run inside Celery's pool callbacks: an exception there would stop
+    the worker. The lock is then left to its TTL (and the reaper).
+    """
+    try:
+        hook(*args)
+    except Exception:
+        logger.exception("celery-dedup: %s failed; the lock is left to its TTL", hook.__name__)
 
 
 def abandon_lost_run(request: Any) -> None:
@@ -896,8 +1014,7 @@ def _remember_request(sender: Any = None, request: Any = None, **_: Any) -> None
         for task_id in [k for k, v in _received.items() if not v]:
             del _received[task_id]
     _received.setdefault(request.id, weakref.WeakSet()).add(request)
-    _guard_unannounced(task, request)
-    _give_delivery_token(task, request)
+    receive(task, request)
 
 
 def prepare_strategy(task: DedupTaskLike) -> None:
@@ -920,8 +1037,19 @@ def _release_revoked(
     """A revoked, expired or terminated message releases its lock (except ``expiry``)."""
     if request is None or not hasattr(sender, "dedup_config"):
         return
-    raw: Mapping[str, Any] = request.headers or {}
-    header = read_header(raw) or read_header({HEADER: getattr(request, HEADER, None)})
+    try:
+        _release_revoked_request(sender, request, expired)
+    except Exception:  # a receiver's error must not hide the revoke from Celery's own work
+        logger.exception(
+            "celery-dedup: could not release the lock of revoked %s[%s]",
+            getattr(sender, "name", "?"),
+            getattr(request, "id", "?"),
+        )
+
+
+def _release_revoked_request(sender: Any, request: Any, expired: bool) -> None:
+    """``_release_revoked`` proper."""
+    header = header_of(request)
     if header is None:
         header = guard_header_of(sender, request)
     if header is None or header.key is None:
@@ -941,7 +1069,7 @@ def _release_revoked(
 
 
 def _request_token(request: Any) -> str | None:
-    header = read_header(getattr(request, "request_dict", None))
+    header = header_in(getattr(request, "request_dict", None))
     if header is not None and header.token:
         return header.token
     task: Any = getattr(request, "task", None)
@@ -949,7 +1077,7 @@ def _request_token(request: Any) -> str | None:
         return None
     try:
         return guard_token(task, str(request.id))
-    except StoreError:
+    except Exception:  # a store error: this request cannot be the one asked for
         return None
 
 

@@ -113,6 +113,11 @@ class Kind(str, Enum):
     CANCEL_OVERLAP = "overlapping cancel_running runs"
     #: a capped debounce's burst ran later than ``debounce_max_wait`` after its first call
     LATE = "late capped debounce"
+    #: one try of a message was delivered to workers more often than the bound
+    #: allows (``check(max_receptions=)``): its copies multiplied
+    RECEPTIONS = "too many receptions"
+    #: a message sent with a malformed header did not run exactly once (``check(malformed=)``)
+    MALFORMED = "malformed header mishandled"
 
 
 @dataclass(frozen=True)
@@ -166,7 +171,8 @@ class Revoke:
 class Event:
     """A record written on a worker.
 
-    ``kind`` is ``prerun`` (``task_prerun``: before the start claim),
+    ``kind`` is ``received`` (``task_received``, in the worker's main
+    process: one delivery of the message), ``prerun`` (``task_prerun``: before the start claim),
     ``start`` (first line of the body: after the claim), ``end`` (last line
     of the body: before the release; ``outcome`` is ``success``, ``failure``,
     ``retry`` or ``interrupted``: terminated by a ``cancel_running`` call),
@@ -873,6 +879,35 @@ class _Checker:
                     "after its revoke released its lock",
                 )
 
+    def check_receptions(self, bound: int) -> None:
+        """No try of a message is delivered more than ``bound`` times (its copies stay bounded)."""
+        received: dict[tuple[str, int], list[Event]] = defaultdict(list)
+        for event in self.trace.events:
+            if event.kind == "received":
+                received[(event.token, event.retries)].append(event)
+        keys = {h.token: h.key for h in self.holdings}
+        for (token, retries), events in sorted(received.items()):
+            if len(events) > bound:
+                self.report(
+                    Kind.RECEPTIONS,
+                    keys.get(token, token),
+                    f"{events[0].task_id} try {retries} was received {len(events)} times "
+                    f"(at most {bound})",
+                )
+
+    def check_malformed(self, task_ids: Sequence[str]) -> None:
+        """Each message sent with a malformed header ran once (its guard), to its end."""
+        for task_id in task_ids:
+            events = [e for e in self.trace.events if e.task_id == task_id]
+            starts = [e for e in events if e.kind == "start"]
+            ends = [e for e in events if e.kind == "postrun" and e.outcome in FINAL_STATES]
+            if len(starts) != 1 or not ends:
+                self.report(
+                    Kind.MALFORMED,
+                    task_id,
+                    f"{task_id} started {len(starts)} times, final records {len(ends)}",
+                )
+
     def check_lost(self) -> None:
         """Never finished and not revoked; or dropped by a worker for no reason of its own."""
         for h in self.holdings:
@@ -920,14 +955,28 @@ class _Checker:
             f"{t - call.t1:.3f}s after its publish, without a revoke or expiry of its own",
         )
 
-def check(trace: Trace, margin: float = MARGIN, ttl_slack: float = 0.0) -> list[Finding]:
+def check(
+    trace: Trace,
+    margin: float = MARGIN,
+    ttl_slack: float = 0.0,
+    *,
+    max_receptions: int | None = None,
+    malformed: Sequence[str] = (),
+) -> list[Finding]:
     """Every certain violation in ``trace`` (an empty list when none).
 
     ``ttl_slack``: how long past its TTL the store may keep a lock (memcached
     counts whole seconds and documents up to 4 s); the TTL lower bound is
-    never relaxed.
+    never relaxed. ``max_receptions``: the most deliveries one try of a
+    message may have (``None``: not judged, as when countdowns outlast the
+    broker's visibility timeout on purpose). ``malformed``: ids of messages
+    sent with a malformed header, each to a key of its own: each must run
+    exactly once, to its end.
     """
     checker = _Checker(trace, margin, ttl_slack)
+    if max_receptions is not None:
+        checker.check_receptions(max_receptions)
+    checker.check_malformed(malformed)
     checker.check_publishes()
     checker.check_executions()
     checker.check_coalesced()

@@ -21,15 +21,17 @@ from celery.signals import (
     before_task_publish,
     task_postrun,
     task_prerun,
+    task_received,
     task_revoked,
     worker_ready,
 )
 
 from celery_dedup import CancelTimeout, DuplicateTaskError, dedup_key_for
-from celery_dedup.header import HEADER, read_header
+from celery_dedup.header import HEADER
 from celery_dedup.options import pop_call_options
 from celery_dedup.signals import task_skipped
 from celery_dedup.stores.base import LockStore
+from celery_dedup.worker import header_in
 
 from .model import Call, Event, Finding, Revoke, Scan, Seen, Trace, check, unfinished
 
@@ -115,9 +117,11 @@ class Recorder:
         poll(lambda: not unfinished(self.trace()), timeout, interval=0.2, what="messages final")
         return self.trace()
 
-    def findings(self, timeout: float = 60, ttl_slack: float = 0.0) -> list[Finding]:
+    def findings(
+        self, timeout: float = 60, ttl_slack: float = 0.0, max_receptions: int | None = None
+    ) -> list[Finding]:
         """What the checker finds once every published message is final."""
-        return check(self.settled(timeout), ttl_slack=ttl_slack)
+        return check(self.settled(timeout), ttl_slack=ttl_slack, max_receptions=max_receptions)
 
     def clear(self) -> None:
         """Forget every record."""
@@ -164,7 +168,8 @@ def body_event(task: Any, recorder: Recorder, kind: str, **fields: Any) -> Event
 
 
 def install_worker_probes(recorder: Recorder) -> None:
-    """Record ``task_prerun``, ``task_postrun``, ``task_revoked``, ``task_skipped``.
+    """Record ``task_received``, ``task_prerun``, ``task_postrun``, ``task_revoked``,
+    ``task_skipped``.
 
     Connect after importing ``celery_dedup``: receivers run in connection
     order, so the ``revoked`` record follows celery-dedup's own release.
@@ -193,9 +198,7 @@ def install_worker_probes(recorder: Recorder) -> None:
         if not recorded(sender) or request is None:
             return
         t = time.time()
-        header = read_header(request.headers) or read_header(
-            {HEADER: getattr(request, HEADER, None)}
-        )
+        header = header_in(request.headers) or header_in({HEADER: getattr(request, HEADER, None)})
         token = header.token if header is not None and header.token else "guard:" + request.id
         recorder.event(
             Event(
@@ -204,6 +207,26 @@ def install_worker_probes(recorder: Recorder) -> None:
                 task_id=str(request.id),
                 t=t,
                 outcome="expired" if expired else "revoked",
+                pid=os.getpid(),
+            )
+        )
+
+    @task_received.connect(weak=False)
+    def _received(sender: Any = None, request: Any = None, **_: Any) -> None:
+        # The worker's main process, once per delivery of a message (after
+        # celery-dedup screened it): how many times the broker handed it over.
+        task = getattr(request, "task", None)
+        if request is None or not recorded(task):
+            return
+        header = header_in(request.request_dict)
+        token = header.token if header is not None and header.token else "guard:" + request.id
+        recorder.event(
+            Event(
+                kind="received",
+                token=str(token),
+                task_id=str(request.id),
+                t=time.time(),
+                retries=int(request.request_dict.get("retries") or 0),
                 pid=os.getpid(),
             )
         )
@@ -222,7 +245,7 @@ _published = threading.local()
 @before_task_publish.connect(weak=False)
 def _remember_publish(headers: Mapping[str, Any] | None = None, **_: Any) -> None:
     """The id and owner token of the message about to be published (this thread)."""
-    header = read_header(headers)
+    header = header_in(headers)
     token = header.token if header is not None and header.token else ""
     _published.last = (str((headers or {}).get("id", "")), str(token))
 

@@ -151,6 +151,50 @@ def test_acks_late_redelivery_after_the_whole_worker_was_killed(
     assert not findings, summary(findings)
 
 
+#: The bound on receptions of one message whose run died with its worker
+#: (lease 60 s, visibility timeout 8 s: docs/guarantees.md).
+MAX_RECEPTIONS = 10
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+@pytest.mark.timeout(300)
+def test_a_killed_workers_message_is_received_a_bounded_number_of_times(
+    backends: Backends, recorder: Recorder, workers: WorkerPool, producer_app: AppFactory
+) -> None:
+    """``acks_late``, whole worker SIGKILLed mid-run, a visibility timeout (8 s) shorter
+    than a third of the lease: the redelivered copy waits for the dead run's lease with
+    deferrals the transport never restores, so the message is received at most 10 times
+    and runs once more, to its end.
+    """
+    transport = {"visibility_timeout": 8, "unacked_restore_interval": 1,
+                 "unacked_restore_throttle": 1}
+    conf = backends.conf(**ACKS_LATE, broker_transport_options=transport)
+    (worker,) = workers.start(conf, concurrency=2)
+    task = work_task(producer_app(conf))
+    producer = Producer(recorder)
+    first = producer.call(task, (9, HANG_ONCE), unique_for=300)
+    assert producer.last is not None
+    token = producer.last.token
+    first_start(recorder, token)
+    worker.kill()
+    killed_at = time.time()
+    worker.start()
+    assert first.get(timeout=150) == 9
+    assert_ran_twice_in_sequence(recorder, token, killed_at)
+    received = recorder.events("received", token=token)
+    deferred = [
+        e for e in recorder.events("skipped", token=token) if e.outcome.startswith("deferred")
+    ]
+    # The copy did wait for the dead run's lease (the scenario is not vacuous)...
+    assert len(deferred) >= 2, received
+    # ...and every deferral came back once: one delivery each, plus the two runs.
+    assert len(received) <= MAX_RECEPTIONS, [round(e.t - killed_at, 1) for e in received]
+    assert len(received) == len(deferred) + 2
+    findings = recorder.findings(max_receptions=MAX_RECEPTIONS)
+    assert not findings, summary(findings)
+
+
 @pytest.mark.slow
 @pytest.mark.redis
 def test_without_acks_late_the_lock_waits_for_the_reaper_or_its_ttl(

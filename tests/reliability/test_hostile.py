@@ -1,21 +1,29 @@
-"""Hostile and odd input: forged headers, and arguments no key can be made of.
+"""Hostile and odd input: forged and malformed headers, and arguments no key can be made of.
 
 A message published around ``apply_async`` (``send_task``) with a forged
 ``celery_dedup`` header names a key but cannot own its lock: the owner token
 is secret to the real publish. Odd arguments either raise a typed error
 naming the argument and publish nothing, or behave exactly as plain Celery.
+No header, whatever it holds, stops a worker: one that cannot be decoded is
+logged once and the message is handled as one without a header.
 """
 
 from __future__ import annotations
 
+import itertools
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import redis
 from celery import Celery
+from celery.result import AsyncResult
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
-from celery_dedup import DedupKeyError
+from celery_dedup import DedupKeyError, MalformedHeader, UniqueUntil, backoff, runs
+from celery_dedup.header import HEADER, LockHeader
 from celery_dedup.stores.redis import RedisStore
 
 from .apps import WORK, work_task
@@ -85,6 +93,98 @@ def test_forged_headers_cannot_release_extend_or_take_over(
     ]
     assert early == [], early
     assert [e.token for e in recorder.events("start", task_id=holder.id)][:1] == [before.owner]
+
+
+#: Any JSON value (what a hostile producer can put in a header).
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=40),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+#: Headers shaped like ours, each field right, wrong, missing or huge.
+FIELDS = {
+    "v": st.sampled_from([1, 0, 2, "1", 1.0, True, None]) | JSON,
+    "key": st.text(min_size=1, max_size=30) | st.just("k" * 1_000_000) | JSON,
+    "until": st.sampled_from([u.value for u in UniqueUntil]) | JSON,
+    "for": st.floats() | st.integers(-10, 10**12) | JSON,
+    "replace": st.booleans() | JSON,
+    "tok": st.text(min_size=1, max_size=30) | st.just("t" * 100_000) | JSON,
+    "last": st.booleans() | JSON,
+}
+HEADERS = JSON | st.fixed_dictionaries({}, optional=FIELDS)
+#: celery-dedup's other message fields, hostile too.
+EXTRAS = st.fixed_dictionaries(
+    {},
+    optional={
+        runs.DELIVERY_FIELD: JSON | st.just("d" * 100_000),
+        runs.INHERITED_FIELD: JSON,
+        backoff.FIELD: JSON | st.just("0.0/" + "9" * 50),
+    },
+)
+
+
+def malformed(header: Any) -> bool:
+    """Whether the worker must treat ``header`` as malformed (logged, then guarded)."""
+    if header is None:
+        return False
+    try:
+        LockHeader.decode(header)
+    except MalformedHeader:
+        return True
+    return False
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+@pytest.mark.timeout(900)
+def test_no_header_stops_a_worker_and_every_well_formed_message_after_it_runs(
+    backends: Backends,
+    recorder: Recorder,
+    workers: WorkerPool,
+    producer_app: AppFactory,
+) -> None:
+    """Generated headers reach a real prefork worker; it stays up, and a malformed
+    header is logged once and handled as a message without one (its guard runs it once).
+    """
+    conf = backends.conf()
+    (worker,) = workers.start(conf, concurrency=2)
+    app = producer_app(conf)
+    task = work_task(app)
+    numbers = itertools.count(1_000)
+    hostile: list[tuple[str, int, bool]] = []
+
+    @settings(
+        max_examples=int(os.environ.get("DEDUP_HOSTILE_EXAMPLES", "30")),
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(header=HEADERS, extras=EXTRAS)
+    @example(header={"v": 1, "key": "k", "until": "bogus", "for": 10}, extras={})
+    @example(header="bogus", extras={})
+    @example(header={"v": 1, "key": "k", "until": "success", "for": 10}, extras={})
+    def feed(header: Any, extras: dict[str, Any]) -> None:
+        n = next(numbers)
+        sent = app.send_task(WORK, args=(n, {}), headers={HEADER: header, **extras})
+        hostile.append((sent.id, n, malformed(header)))
+        well_formed = task.apply_async((-n, {}))
+        assert well_formed.get(timeout=30) == -n, worker.tail()
+        assert worker.proc is not None and worker.proc.poll() is None, worker.tail()
+
+    feed()
+    log = worker.log.read_text(errors="replace")
+    assert "Unrecoverable error" not in log
+    assert any(bad for _, _, bad in hostile)
+    for task_id, n, bad in hostile:
+        result = AsyncResult(task_id, app=app)
+        poll(lambda r=result: r.state in ("SUCCESS", "IGNORED"), 30, what=f"{task_id} final")
+        if bad:
+            # Handled as a message without a header: its guard (a key of its own) ran it once.
+            assert result.get(timeout=5) == n
+            assert len(recorder.events("start", task_id=task_id)) == 1
+            assert log.count(f"[{task_id}] carries a malformed header") == 1, task_id
 
 def nested(depth: int) -> Any:
     value: Any = 0

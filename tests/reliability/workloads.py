@@ -190,3 +190,42 @@ def race(
     runtime_for(app).metrics.flush()
     recorder.close()
     app.close()
+
+
+#: ``celery_dedup`` headers no producer of ours writes: each must be logged,
+#: then handled as a message without a header (its guard runs it once).
+MALFORMED_HEADERS: tuple[Any, ...] = (
+    {"v": 1, "key": "k", "until": "bogus", "for": 10},
+    {"v": 2, "key": "k", "until": "success", "for": 10},
+    {"v": 1, "key": 12, "until": "success", "for": 10},
+    {"v": 1, "key": "k", "until": "success", "for": "ten"},
+    {"v": 1, "key": "k", "until": "success", "for": -1},
+    {"v": 1, "key": "k", "until": "success", "for": 10, "replace": "yes"},
+    {"v": 1, "key": "k" * 100_000, "until": "success", "for": 10},
+    {"v": 1, "key": "k", "until": "success", "for": 10, "tok": ["a"]},
+    "bogus",
+    [1, 2, 3],
+)
+
+
+def send_malformed(
+    plan: SoakPlan, conf: dict[str, Any], recorder_url: str, start_at: float, count: int
+) -> None:
+    """Send ``count`` messages with malformed headers among the soak's calls, each to a key
+    of its own (``n`` past the workload's keys); their ids are marked ``malformed``.
+    """
+    app = make_app(conf, recorder_url)
+    recorder = Recorder(recorder_url)
+    rng = random.Random(plan.seed * 100 + 99)
+    interval = plan.calls / plan.rate / max(count, 1)
+    for i in range(count):
+        time.sleep(max(0.0, start_at + i * interval - time.time()))
+        header = MALFORMED_HEADERS[i % len(MALFORMED_HEADERS)]
+        n = plan.keys + 1_000 + i
+        sent = app.send_task(
+            "rel.work", args=(n, {"sleep": round(rng.uniform(0.0, 0.1), 3)}),
+            headers={"celery_dedup": header},
+        )
+        recorder.mark("malformed", {"task_id": sent.id, "n": n})
+    recorder.close()
+    app.close()
