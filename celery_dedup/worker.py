@@ -692,6 +692,9 @@ def finish(task: DedupTaskLike, held: Held, outcome: Outcome) -> None:
     action: bool | None = None
     if not (held.handed_over or held.released or outcome is Outcome.RETRIED):
         action = outcome.releases(held.header.until)
+        if held.unchecked and held.header.until is UniqueUntil.START:
+            # The start claim could not release it: that release is owed now.
+            action = outcome is not Outcome.REQUEUED
     if held.run is not None and outcome is not Outcome.REQUEUED:
         if _end_quietly(task, held, action) and action:
             _count_release(task, held.key, held.task_id, outcome.value)
