@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from itertools import pairwise
 from typing import Any
 
 from celery import states
@@ -29,7 +30,7 @@ class Order(BaseModel):
 
 def _overlapped(spans: list[tuple[float, float]]) -> bool:
     ordered = sorted(spans)
-    return any(later[0] < earlier[1] for earlier, later in zip(ordered, ordered[1:]))
+    return any(later[0] < earlier[1] for earlier, later in pairwise(ordered))
 
 
 def test_pydantic_task_template_names_the_model_field(
@@ -89,7 +90,7 @@ def test_a_key_the_arguments_cannot_fill_fails_and_releases_per_policy(
     finish, success = define("finish"), define("success")
     worker_for(app)
     failed = {task: task.delay({"id": 1}) for task in (finish, success)}
-    for task, result in failed.items():
+    for result in failed.values():
         wait_until(lambda r=result: r.state == states.FAILURE, timeout=30)
         assert "keys.missing_" in str(result.result)
         assert "concurrency_key" in str(result.result)
