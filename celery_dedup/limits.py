@@ -28,6 +28,7 @@ side is ``slots``, the producer side ``rates``.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import re
 import string
@@ -210,11 +211,44 @@ def key_text(
     if callable(spec):
         value = spec(*(args or ()), **(kwargs or {}))
         if not isinstance(value, str) or not value:
-            raise InvalidOptionError(option, value, "the callable to return a non-empty string")
+            raise InvalidOptionError(
+                option, value, "the callable to return a non-empty string", task.name
+            )
         return value
-    bound = limits.signature.bind(*(args or ()), **(kwargs or {}))
-    bound.apply_defaults()
-    return spec.format_map(bound.arguments)
+    try:
+        bound = limits.signature.bind(*(args or ()), **(kwargs or {}))
+        bound.apply_defaults()
+        return _ARGUMENTS.vformat(spec, (), bound.arguments)
+    except (AttributeError, KeyError, IndexError, TypeError, ValueError) as exc:
+        allowed = f"a template this call's arguments fill (here: {type(exc).__name__}: {exc})"
+        raise InvalidOptionError(option, spec, allowed, task.name) from exc
+
+
+class _ArgumentFormatter(string.Formatter):
+    """``str.format`` over a call's arguments, where ``{order.customer_id}`` also
+    reads the item of a mapping.
+
+    A ``pydantic=True`` task's model argument is dumped to a dict when it is
+    published: the producer and the worker see that dict, and the template
+    the docs write for the model names the same value on both.
+    """
+
+    def get_field(self, field_name: str, args: Any, kwargs: Any) -> tuple[Any, str]:
+        first, rest = _split_field(field_name)
+        value = self.get_value(first, args, kwargs)
+        for is_attribute, name in rest:
+            if is_attribute and isinstance(value, Mapping) and name in value:
+                value = value[name]
+            elif is_attribute:
+                value = getattr(value, name)
+            else:
+                value = value[name]
+        return value, first
+
+
+_ARGUMENTS: Final = _ArgumentFormatter()
+#: what ``string.Formatter.get_field`` splits a field name with
+_split_field: Final[Any] = importlib.import_module("_string").formatter_field_name_split
 
 
 def concurrency_store_key(prefix: str, task_name: str, text: str) -> str:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .exceptions import LimitsNotSupported, StoreError
+from .header import LockHeader
+from .lifecycle import Outcome
 from .limits import concurrency_store_key, key_text, limits_of, slots_of
 from .options import Fallback
 from .stores.base import SlotSupport
@@ -106,15 +108,21 @@ def enter(task: DedupTask, request: Any, args: Any, kwargs: Any) -> Slot | None:
     runtime = task.dedup_config().runtime
     store = slots_of(task, runtime.store)
     header = worker.header_of(request)
-    text = key_text(
-        task,
-        limits,
-        limits.concurrency_key,
-        "concurrency_key",
-        args,
-        kwargs,
-        None if header is None else header.key,
-    )
+    try:
+        text = key_text(
+            task,
+            limits,
+            limits.concurrency_key,
+            "concurrency_key",
+            args,
+            kwargs,
+            _default_key(task, request, header, args, kwargs),
+        )
+    except Exception:
+        # The task fails without its body (a template the arguments cannot
+        # fill, a key callable that raised): its lock follows the policy.
+        worker.end_unclaimed(task, request, Outcome.FAILURE)
+        raise
     key = concurrency_store_key(runtime.settings.key_prefix, task.name, text)
     ttl = runtime.settings.lease_ttl
     holder = f"{request.id}:{os.urandom(8).hex()}"
@@ -145,6 +153,29 @@ def enter(task: DedupTask, request: Any, args: Any, kwargs: Any) -> Slot | None:
     slot = Slot(store, key, holder, ttl)
     _keeper.add(slot)
     return slot
+
+
+def _default_key(
+    task: DedupTask, request: Any, header: LockHeader | None, args: Any, kwargs: Any
+) -> str | None:
+    """The deduplication key the default concurrency key is, as the message's lock has it.
+
+    A message published without a lock (a canvas member whose key was held,
+    a ``unique_for=None`` call) carries no key: the task's identity computes
+    it from the delivered call (as for a message without the header), so it
+    shares its slots with the holder's run. ``None``: the task has no key
+    for the call (``identity="always_unique"``).
+    """
+    if header is not None and header.key is not None:
+        return header.key
+    from . import worker
+
+    queue = worker.delivered_queue(task, request.delivery_info or {}, args, kwargs)
+    try:
+        return task.dedup_key(args, kwargs, task.dedup_config().resolve({}), queue)
+    except Exception as exc:  # (a send_task call no key can hold): the task as a whole
+        logger.debug("celery-dedup: %s[%s] has no key: %s", task.name, request.id, exc)
+        return None
 
 
 def leave(slot: Slot | None) -> None:

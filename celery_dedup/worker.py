@@ -28,7 +28,7 @@ from celery.worker.control import control_command
 from celery.worker.request import Request
 from kombu.serialization import registry  # type: ignore[attr-defined]
 
-from . import backoff, coalesce, leases, runs
+from . import backoff, coalesce, leases, requeue, runs
 from .exceptions import MalformedHeader, StoreContention, StoreError, StoreUnavailable
 from .header import HEADER, MAX_TOKEN, LockHeader, new_token, read_header
 from .identity import bound_queue, deterministic_task_id
@@ -43,6 +43,7 @@ __all__ = [
     "Held",
     "Outcome",
     "claim_at_start",
+    "end_unclaimed",
     "finish",
     "release",
     "republish_as_holder",
@@ -742,6 +743,9 @@ def finish(task: DedupTaskLike, held: Held, outcome: Outcome) -> None:
     action: bool | None = None
     if not (held.handed_over or held.released or outcome is Outcome.RETRIED):
         action = outcome.releases(held.header.until)
+        if held.unchecked and held.header.until is UniqueUntil.START:
+            # The start claim could not release it: that release is owed now.
+            action = outcome is not Outcome.REQUEUED
     if held.run is not None and outcome is not Outcome.REQUEUED:
         if _end_quietly(task, held, action) and action:
             _count_release(task, held.key, held.task_id, outcome.value)
@@ -751,16 +755,24 @@ def finish(task: DedupTaskLike, held: Held, outcome: Outcome) -> None:
     if action:
         release(task, held.store, held.key, held.owner, held.task_id, outcome.value)
     elif action is False:
-        try:
-            held.store.settle(held.key, held.owner)
-        except StoreError as exc:
-            logger.warning(
-                "celery-dedup: could not settle lock %s of %s[%s]: %s",
-                short(held.key),
-                task.name,
-                held.task_id,
-                exc,
-            )
+        _settle(task, held.store, held.key, held.owner, held.task_id)
+
+
+def end_unclaimed(task: DedupTaskLike, request: Any, outcome: Outcome) -> None:
+    """A message that ends before its start claim: its lock follows the policy all the same.
+
+    (Its concurrency key could not be computed, say: the task fails without
+    its body.) Owner-checked; a guard lock (``send_task``) is only taken by
+    the start claim, so there is none yet.
+    """
+    header = header_of(request)
+    store = task.dedup_config().runtime.store
+    if header is None or header.key is None or store is None:
+        return
+    if (header.token or "").startswith(GUARD_PREFIX) or not outcome.releases(header.until):
+        return
+    task_id = str(request.id)
+    release(task, store, header.key, header.owner(task_id), task_id, outcome.value)
 
 
 def _eager_started() -> set[str]:
@@ -802,38 +814,73 @@ def release_from_main_process(
     """A hard time limit of a request received by a ``task_received`` receiver.
 
     Only for a task whose ``Request`` class is not a ``DedupRequest`` (which
-    releases by itself, before the failure is stored).
+    releases by itself, before the failure is stored). A message Celery
+    puts back in its queue keeps its lock (``requeue.after_time_limit``).
     """
     request = _received_request(task_id)
     if request is not None:
+        if outcome is Outcome.FAILURE:
+            outcome = requeue.after_time_limit(task)
         release_killed_run(task, request, outcome)
 
 
 def release_killed_run(task: DedupTaskLike, request: Any, outcome: Outcome) -> None:
-    """The pool child running ``request`` is gone: release per policy from the main process.
+    """The pool child running ``request`` is gone: end its run from the main process.
 
-    A guard lock (``send_task``) is released too: the run it throttled was killed.
+    ``outcome`` is what Celery does with the message (``requeue``):
+
+    * ``FAILURE`` (or ``REVOKED``): the attempt ended; its done marker is
+      written (its copies must not run) and its lock released per policy.
+      A guard lock (``send_task``) is released too: the run it throttled
+      was killed.
+    * ``RETRIED``: Celery published the retry (holding the lock): the
+      attempt ended, its lock is the retry's.
+    * ``REQUEUED``: the message goes back to its queue and must run again:
+      its lease is given up (the requeued copy runs at once, not "already
+      ran") and its lock kept for it, marked not started.
     """
     header = header_in(request.request_dict) or guard_header_of(task, request)
     store = task.dedup_config().runtime.store
     if header is None or header.key is None or store is None:
         return
+    task_id = str(request.id)
+    owner = header.owner(task_id)
     found = leases.lease_of(request)
+    if outcome is Outcome.REQUEUED:
+        if found is not None:
+            _abandon_run(task, found[0], found[1])
+        _settle(task, store, header.key, owner, task_id)
+        return
     if found is not None:
-        # The attempt ended (killed by a time limit or a revoke): its copies must not run.
-        _end_quietly(task, Held(store, header, header.key, "", str(request.id), run=found[1]), None)
+        _end_quietly(task, Held(store, header, header.key, "", task_id, run=found[1]), None)
     if _killed_run_releases(header, outcome):
-        task_id = str(request.id)
-        release(task, store, header.key, header.owner(task_id), task_id, outcome.value)
+        release(task, store, header.key, owner, task_id, outcome.value)
+
+
+def _settle(task: DedupTaskLike, store: LockStore, key: str, owner: str, task_id: str) -> None:
+    """Mark a kept lock not started (nothing runs under it now); a store error is logged."""
+    try:
+        store.settle(key, owner)
+    except StoreError as exc:
+        logger.warning(
+            "celery-dedup: could not settle lock %s of %s[%s]: %s",
+            short(key),
+            task.name,
+            task_id,
+            exc,
+        )
 
 
 def _killed_run_releases(header: LockHeader, outcome: Outcome) -> bool:
     """Whether a run that ended in the main process's view releases its lock.
 
-    Per policy; a guard lock (``send_task``) always: the run it throttled
-    was killed or revoked.
+    Per policy; a guard lock (``send_task``) always when the message's
+    run is over (failed or revoked): the run it throttled was killed.
     """
-    return outcome.releases(header.until) or (header.token or "").startswith(GUARD_PREFIX)
+    if outcome.releases(header.until):
+        return True
+    guarded = (header.token or "").startswith(GUARD_PREFIX)
+    return guarded and outcome in (Outcome.FAILURE, Outcome.REVOKED)
 
 
 def _give_delivery_token(task: DedupTaskLike, request: Any) -> None:
@@ -953,30 +1000,84 @@ class DedupRequest(Request):
     def on_failure(
         self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
     ) -> None:
-        """The pool reports a hard time limit here first, then calls ``on_timeout``."""
+        """The pool reports a hard time limit here first, then calls ``on_timeout``.
+
+        A run whose pool child died ends here, before Celery records its
+        fate: a message Celery puts back or retries keeps its lock and runs
+        again, a failed one releases per policy.
+        """
         exc = getattr(exc_info, "exception", None)
         exc = getattr(exc, "exc", exc)  # (an ExceptionWithTraceback from the pool)
-        if not return_ok and isinstance(exc, TimeLimitExceeded):
-            self._release_killed_run()
-        elif isinstance(exc, WorkerLostError):
-            _contained(abandon_lost_run, self)
+        if isinstance(exc, TimeLimitExceeded):
+            if not return_ok or requeue.after_time_limit(self.task) is Outcome.REQUEUED:
+                # (Put back: before Celery requeues it, so the copy finds no lease.)
+                self._release_killed_run()
+        elif isinstance(exc, WorkerLostError) or (
+            # (billiard 4.3+ reports a lost child's exit so: Celery takes it as lost)
+            isinstance(exc, (SystemExit, KeyboardInterrupt)) and not self._cancelled()
+        ):
+            _contained(self._end_lost_run)
         super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
     def on_timeout(self, soft: bool, timeout: float) -> None:
-        """A hard time limit killed the pool child: release, then let Celery record it."""
+        """A hard time limit killed the pool child: end its run, then let Celery record it."""
         if not soft:
             self._release_killed_run()
         super().on_timeout(soft, timeout)
+
+    def _cancelled(self) -> bool:
+        return bool(getattr(self, "_already_cancelled", False)) or bool(
+            getattr(self, "_already_revoked", False)
+        )
+
+    def _message_context(self) -> Any:
+        """The message's request context (Celery's ``Request._context``)."""
+        return getattr(self, "_context", None) or self.request_dict
 
     def _release_killed_run(self) -> None:
         from celery.worker import state as worker_state
 
         task: Any = self.task
-        if getattr(worker_state, "should_terminate", None) or not hasattr(task, "dedup_config"):
+        if not hasattr(task, "dedup_config"):
+            return
+        outcome = requeue.after_time_limit(task)
+        if outcome is Outcome.FAILURE and getattr(worker_state, "should_terminate", None):
             return  # a cold shutdown records nothing either
         if not getattr(self, "_dedup_released", False):
             self._dedup_released = True
-            _contained(release_killed_run, task, self, Outcome.FAILURE)
+            _contained(release_killed_run, task, self, outcome)
+
+    def _end_lost_run(self) -> None:
+        """The pool child was lost: unless Celery retries it, end the run as Celery will."""
+        task: Any = self.task
+        if not hasattr(task, "dedup_config") or getattr(self, "_dedup_released", False):
+            return
+        context = self._message_context()
+        if requeue.retries_worker_lost(task, context):
+            abandon_lost_run(self)  # ``_retry_worker_lost`` ends the attempt
+            return
+        self._dedup_released = True
+        _contained(release_killed_run, task, self, requeue.after_worker_lost(task, context))
+
+    def _retry_worker_lost(self, exc: Any, exc_info: Any) -> bool:
+        """``retry_on_worker_lost``: the retry is the holder's own republish (it keeps the lock).
+
+        Celery publishes it from this (main) process, where no task runs;
+        it would otherwise be taken for a duplicate of the lost run and
+        never published. If it could not be sent, Celery puts the message
+        back or fails it: the run ends the same way.
+        """
+        task: Any = self.task
+        retry: Any = super()._retry_worker_lost  # type: ignore[misc]  # (Celery 5.7)
+        if not hasattr(task, "dedup_config"):
+            return bool(retry(exc, exc_info))
+        with requeue.as_running(task, self):
+            retried = bool(retry(exc, exc_info))
+        self._dedup_released = True
+        context = self._message_context()
+        outcome = Outcome.RETRIED if retried else requeue.after_worker_lost(task, context)
+        _contained(release_killed_run, task, self, outcome)
+        return retried
 
 
 def _contained(hook: Callable[..., None], *args: Any) -> None:

@@ -154,10 +154,10 @@ def lock_gone(result: Any, app: Any) -> bool:
         return False
 
 
-def job_on(app: Any, runs: Runs) -> Any:
-    """``job(x)`` records ``x`` and returns it (``unique_until="success"``)."""
+def job_on(app: Any, runs: Runs, until: str = "success") -> Any:
+    """``job(x)`` records ``x`` and returns it (``unique_until="success"`` by default)."""
 
-    @app.task(base=DedupTask, shared=False, unique_for=60)
+    @app.task(base=DedupTask, shared=False, unique_for=60, unique_until=until)
     def job(x: int) -> int:
         runs.record(x)
         return x
@@ -165,15 +165,19 @@ def job_on(app: Any, runs: Runs) -> Any:
     return job
 
 
+@pytest.mark.parametrize("until", ["success", "start"])
 def test_open_runs_the_body_once_and_releases_the_lock_when_the_store_answers(
     app_factory: AppFactory,
     worker_for: Any,
     runs: Runs,
     breakable: Breakable,
     dedup_log: DedupLog,
+    until: str,
 ) -> None:
+    """The body runs unchecked; its lock is released once the store answers (under
+    ``"start"`` too, whose start claim could not release it)."""
     app = app_factory("store-errors-open", dedup_store=breakable.url, dedup_fallback="open")
-    job = job_on(app, runs)
+    job = job_on(app, runs, until)
     result = job.delay(1)
     assert inspect_lock(result.deduplication_key, app=app) is not None
     breakable.breaks()
