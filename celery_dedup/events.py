@@ -34,6 +34,11 @@
   under a fresh uuid, without arguments), ``"on_commit"`` for a Django
   ``delay_on_commit`` call folded into an identical one of its transaction
   (sent at commit, child of the message the transaction published).
+* ``task-rate-limited``: a call refused by ``rate_limit_per_key`` (not
+  published) under its own never-published uuid, with ``retry_after`` and
+  a ``result`` saying so; Flower shows it as state ``RATE-LIMITED``. It
+  never names another call as its parent: a refused call is different
+  work, not a duplicate of the last publish.
 
 All of them are sent when ``dedup_send_events`` is on. Unset, it is on when the
 app's configuration turns Celery's task events on for Flower
@@ -62,9 +67,11 @@ from .signals import holder_cancelled, key_reused, lock_replaced, task_skipped
 if TYPE_CHECKING:
     from celery import Celery
 
-__all__ = ["CANCELLED_EVENT_TYPE", "DEFERRED_EVENT_TYPE", "EVENT_TYPE", "REPLACED_EVENT_TYPE",
+__all__ = ["CANCELLED_EVENT_TYPE", "DEFERRED_EVENT_TYPE", "EVENT_TYPE", "RATE_LIMITED_EVENT_TYPE",
+           "REPLACED_EVENT_TYPE",
            "SKIPPED_EVENT_TYPE", "W_EVENTS_OFF", "default_send_events", "dispatcher_hostname",
-           "send_deduplicated", "send_displaced", "send_skipped", "warn_if_events_off"]
+           "send_deduplicated", "send_displaced", "send_rate_limited", "send_skipped",
+           "warn_if_events_off"]
 
 logger = logging.getLogger("celery_dedup")
 
@@ -85,6 +92,9 @@ REPLACED_EVENT_TYPE: Final = "task-replaced"
 
 #: the event of a holder ``on_duplicate="cancel_running"`` cancelled (state ``CANCELLED``)
 CANCELLED_EVENT_TYPE: Final = "task-cancelled"
+
+#: the event of a call ``rate_limit_per_key`` refused (Flower state ``RATE-LIMITED``)
+RATE_LIMITED_EVENT_TYPE: Final = "task-rate-limited"
 
 
 W_EVENTS_OFF = (
@@ -184,6 +194,35 @@ def send_displaced(
     _send_from_producer(
         app, event_type, uuid=uuid, name=task_name, policy=policy, new_task_id=new_id,
         running=running, result=result, **fields,
+    )
+
+
+def send_rate_limited(
+    app: Celery,
+    *,
+    task_name: str,
+    task_id: str,
+    args: Any,
+    kwargs: Any,
+    retry_after: float,
+    policy: str,
+) -> None:
+    """Emit one ``task-rate-limited`` event for a call refused by its rate limit.
+
+    Under the refused call's own uuid (never published); two small broker
+    publishes, as ``send_deduplicated``; failures are logged, never raised.
+    """
+    _send_from_producer(
+        app,
+        RATE_LIMITED_EVENT_TYPE,
+        uuid=task_id,
+        name=task_name,
+        args=saferepr(args or ()),
+        kwargs=saferepr(kwargs or {}),
+        received=time.time(),
+        retry_after=round(retry_after, 3),
+        policy=policy,
+        result=f"refused: over rate_limit_per_key, retry in {retry_after:.1f}s ({policy})",
     )
 
 

@@ -14,11 +14,11 @@ call's arguments, or by default the deduplication key):
   the body, so a killed worker's slot comes back within one lease.
 * ``rate_limit_per_key="10/m"`` (``/s``, ``/m``, ``/h``, ``/d``; ``rate_key=``):
   at most that many publishes per key in any sliding window of the
-  period, counted on the store's clock. A call over it follows
-  ``on_duplicate`` (``raise``: ``RateLimited`` with ``retry_after``;
-  ``existing``: the most recent admitted publish's handle) or, with
-  ``on_rate_limit="delay"``, is published with a countdown to its place in
-  the window.
+  period, counted on the store's clock. A call over it raises
+  ``RateLimited`` (with ``retry_after``), or, with ``on_rate_limit="delay"``,
+  is published with a countdown to its place in the window
+  (``"last_publish"``: answered with the most recent admitted publish's
+  handle). A canvas member or a worker-side publish is always delayed.
 
 Stores keep them through ``SlotSupport`` and ``RateSupport``; a task using
 a limit on a store without them fails loudly (``LimitsNotSupported``).
@@ -78,12 +78,17 @@ _RATE = re.compile(r"^\s*(\d+)\s*/\s*([smhd])\s*$")
 
 
 class OnRateLimit(str, Enum):
-    """What a call over ``rate_limit_per_key`` does."""
+    """What a call over ``rate_limit_per_key`` does (outside a canvas and a worker)."""
 
-    #: what a duplicate does (``on_duplicate``: raise ``RateLimited`` or return a handle)
+    #: raise ``RateLimited`` (the default)
+    RAISE = "raise"
+    #: the name 0.3 gave the default; a refusal now always raises (see ``RAISE``)
     DUPLICATE = "duplicate"
     #: publish it with a countdown to its place in the window
     DELAY = "delay"
+    #: return the handle of the most recent admitted publish of the rate key
+    #: (another call's: asked for by name only)
+    LAST_PUBLISH = "last_publish"
 
 
 @dataclass(frozen=True)
@@ -187,7 +192,7 @@ def _build(task: DedupTask) -> Limits | None:
         rate=rate,
         rate_key=_key_spec(attr("rate_key"), "rate_key", signature),
         on_rate_limit=(
-            OnRateLimit.DUPLICATE
+            OnRateLimit.RAISE
             if on_rate_limit is None
             else validate_choice(OnRateLimit, on_rate_limit, "on_rate_limit")
         ),

@@ -1,105 +1,84 @@
 """The producer side of ``rate_limit_per_key``: one sliding window per rate key (see ``limits``).
 
-After a call's lock is taken, its publish is counted in its rate key's
-window in one round trip; a call over the limit gives the lock back and
-raises ``RateLimited``, returns the last publish's handle, or is published
-with a countdown to its reserved place (``on_rate_limit="delay"``).
+A call's publish is counted in its rate key's window in one round trip,
+before its lock is taken (the admission step ``admission.rate``); a call
+over the limit raises ``RateLimited`` (or, asked for by name, returns the
+last publish's handle), or is published with a countdown to its reserved
+place (``on_rate_limit="delay"``). A refused or failed call's entry is taken
+back out of the window (``forget``).
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import logging
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from . import events
 from .exceptions import LimitsNotSupported, RateLimited, StoreError
-from .limits import OnRateLimit, key_text, limits_of, rate_store_key, rates_of
-from .options import OnDuplicate
-from .stores.base import LockStore, RateAnswer
+from .limits import OnRateLimit, Rate, key_text, limits_of, rate_store_key, rates_of
+from .stores.base import LockStore, RateAnswer, RateRelease, RateSupport
 
 if TYPE_CHECKING:
     from .task import DedupTask
 
-__all__ = ["admit_publish", "admit_unlocked", "refuse_native"]
+__all__ = ["delayed", "forget", "hit", "refuse_native", "refused", "window_of"]
 
 logger = logging.getLogger("celery_dedup")
 
 
-def admit_publish(
-    task: DedupTask,
-    on_duplicate: OnDuplicate,
-    store: LockStore,
-    key: str | None,
-    task_id: str,
-    args: Any,
-    kwargs: Any,
-    options: dict[str, Any],
-    *,
-    give_back: Callable[[], Any],
-    extend: Callable[[float], Any],
-) -> Any:
-    """Count this publish in its rate key's window, after its lock was taken.
+def window_of(
+    task: DedupTask, store: LockStore | None, args: Any, kwargs: Any, key: str | None
+) -> tuple[RateSupport, str, Rate, bool] | None:
+    """Where a call of ``task`` is counted: ``(store, rate key, rate, delay)``, or ``None``.
 
-    Returns ``None`` to publish (``options`` may have gained a countdown and
-    the lock ``extend``-ed by it: ``on_rate_limit="delay"``), or, for a call
-    over the limit, gives the lock back (``give_back``) and raises
-    ``RateLimited`` or returns the most recent admitted publish's handle.
+    ``None`` for a task without ``rate_limit_per_key``. Pure but for its
+    errors: a store that cannot count (``LimitsNotSupported``), a
+    ``rate_key`` the call cannot fill (``KeyError``).
     """
     limits = limits_of(task)
     if limits is None or limits.rate is None:
         return None
-    runtime = task.dedup_config().runtime
-    rates = rates_of(task, store)
-    text = key_text(task, limits, limits.rate_key, "rate_key", args, kwargs, key)
-    rate_key = rate_store_key(runtime.settings.key_prefix, task.name, text)
-    delay = limits.on_rate_limit is OnRateLimit.DELAY
-    try:
-        rate = limits.rate
-        answer = rates.hit_rate(rate_key, task_id, rate.limit, rate.period, delay=delay)
-    except LimitsNotSupported as exc:
-        give_back()
-        raise LimitsNotSupported(task.name, "rate_limit_per_key", exc.store) from None
-    except StoreError as exc:
-        try:
-            runtime.fall_back(task.name, exc)
-        except Exception:
-            give_back()
-            raise
-        return None
-    if answer.admitted:
-        if answer.wait > 0:
-            runtime.metrics.incr(task.name, "rate_limited")
-            _delay(options, answer.wait)
-            try:
-                extend(answer.wait)
-            except StoreError as exc:  # the message still carries its owner token
-                logger.warning("celery-dedup: could not extend a delayed call's lock: %s", exc)
-        return None
-    give_back()
-    runtime.metrics.incr(task.name, "rate_limited")
-    return _refused(task, on_duplicate, rate_key, answer, task_id)
-
-
-def admit_unlocked(
-    task: DedupTask,
-    on_duplicate: OnDuplicate,
-    task_id: str,
-    args: Any,
-    kwargs: Any,
-    options: dict[str, Any],
-) -> Any:
-    """``admit_publish`` for a call that takes no lock (``identity="always_unique"``)."""
-    limits = limits_of(task)
-    if limits is None or limits.rate is None:
-        return None
-    store = task.dedup_config().runtime.store
     if store is None:
         raise LimitsNotSupported(task.name, "rate_limit_per_key", "none")
-    return admit_publish(
-        task, on_duplicate, store, None, task_id, args, kwargs, options,
-        give_back=lambda: None, extend=lambda wait: None,
-    )
+    rates = rates_of(task, store)
+    text = key_text(task, limits, limits.rate_key, "rate_key", args, kwargs, key)
+    rate_key = rate_store_key(task.dedup_config().runtime.settings.key_prefix, task.name, text)
+    return rates, rate_key, limits.rate, limits.on_rate_limit is OnRateLimit.DELAY
+
+
+def hit(
+    task: DedupTask, rates: RateSupport, rate_key: str, member: str, rate: Rate, delay: bool
+) -> RateAnswer:
+    """Count ``member`` in the window (one round trip).
+
+    A store that cannot count raises ``LimitsNotSupported`` naming the task.
+    """
+    try:
+        return rates.hit_rate(rate_key, member, rate.limit, rate.period, delay=delay)
+    except LimitsNotSupported as exc:
+        raise LimitsNotSupported(task.name, "rate_limit_per_key", exc.store) from None
+
+
+def forget(task: DedupTask, rates: RateSupport, rate_key: str, member: str) -> None:
+    """Take a counted publish back out of its window (it was refused or failed)."""
+    if not isinstance(rates, RateRelease):
+        return  # the entry lapses with its period
+    try:
+        rates.forget_rate(rate_key, member)
+    except StoreError as exc:
+        logger.warning(
+            "celery-dedup: could not take a refused publish of %s out of its rate window: %s",
+            task.name,
+            exc,
+        )
+
+
+def delayed(task: DedupTask, options: dict[str, Any], wait: float) -> None:
+    """An admitted publish waits ``wait`` seconds for its place: count it, delay it."""
+    if wait > 0:
+        task.dedup_config().runtime.metrics.incr(task.name, "rate_limited")
+        _delay(options, wait)
 
 
 def refuse_native(task: DedupTask) -> None:
@@ -122,15 +101,46 @@ def _delay(options: dict[str, Any], wait: float) -> None:
     options["countdown"] = max(float(options.get("countdown") or 0.0), wait)
 
 
-def _refused(
-    task: DedupTask, on_duplicate: OnDuplicate, rate_key: str, answer: RateAnswer, task_id: str
+def refused(
+    task: DedupTask,
+    rate_key: str,
+    answer: RateAnswer,
+    task_id: str,
+    args: Any,
+    kwargs: Any,
+    *,
+    may_return: bool,
 ) -> Any:
+    """What a call over the limit answers: ``RateLimited``, or (asked for by name,
+    ``on_rate_limit="last_publish"``, where a handle may stand in: ``may_return``)
+    the most recent admitted publish's handle. Counted, logged and reported as
+    a ``task-rate-limited`` event either way.
+    """
     from .results import DeduplicatedResult
 
+    runtime = task.dedup_config().runtime
+    runtime.metrics.incr(task.name, "rate_limited")
     logger.info(
         "celery-dedup: %s[%s] over its rate limit (retry in %.1fs)", task.name, task_id, answer.wait
     )
-    if on_duplicate is not OnDuplicate.EXISTING or not answer.last:
+    limits = limits_of(task)
+    last = (
+        may_return
+        and limits is not None
+        and limits.on_rate_limit is OnRateLimit.LAST_PUBLISH
+        and bool(answer.last)
+    )
+    if runtime.settings.send_events:
+        events.send_rate_limited(
+            task.app,
+            task_name=task.name,
+            task_id=task_id,
+            args=args,
+            kwargs=kwargs,
+            retry_after=answer.wait,
+            policy="on_rate_limit=last_publish" if last else "on_rate_limit=raise",
+        )
+    if not last:
         raise RateLimited(task.name, rate_key, answer.wait, answer.last)
     return DeduplicatedResult(
         answer.last,
@@ -139,5 +149,3 @@ def _refused(
         deduplication_key=rate_key,
         duplicate_id=task_id,
     )
-
-

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -15,16 +14,13 @@ from celery import Celery, Task
 from celery.app.routes import Router
 from celery.utils import uuid
 
-from . import cancel, coalesce, debounce, envelope, events, key_reuse, native, rates, worker
+from . import admission, envelope, native, rates, worker
+from .admission import Admission
 from .exceptions import (
-    DeduplicationUnavailable,
-    DuplicateTaskError,
     InvalidOptionError,
     MissingDeduplicationKey,
-    StoreContention,
-    StoreError,
 )
-from .header import HEADER, NO_LOCK, LockHeader, new_token
+from .header import HEADER, NO_LOCK, LockHeader
 from .identity import (
     ArgumentBinder,
     Identity,
@@ -34,7 +30,7 @@ from .identity import (
     deterministic_task_id,
     lock_key,
 )
-from .lifecycle import Held, Outcome, meta_for
+from .lifecycle import Held, Outcome
 from .lint_calls import lint_call_delay, lint_first_call
 from .options import (
     OnDuplicate,
@@ -52,12 +48,10 @@ from .options import (
     validate_wait,
     warn_unknown_task_options,
 )
-from .policy import UniqueUntil, lock_ttl
-from .results import DeduplicatedResult, mark_result
+from .policy import UniqueUntil
+from .results import mark_result
 from .runs import DELIVERY_FIELD, INHERITED_FIELD
 from .runtime import Runtime, runtime_for
-from .signals import lock_acquired, lock_replaced, task_deduplicated
-from .stores.base import Lock, LockStore, replace_holder
 
 __all__ = ["DedupTask"]
 
@@ -466,20 +460,20 @@ class DedupTask(_Task):
         else:  # a subclass's own key (the compat shims)
             key = self.dedup_key(sent_args, sent_kwargs, call, queue_name, serializer)
         if key is None:
-            task_id = task_id or uuid()
-            refused = rates.admit_unlocked(
-                self, call.on_duplicate, task_id, sent_args, sent_kwargs, options
-            )
-            if refused is not None:
-                return refused
-            return mark_result(publish(task_id, NO_LOCK), None)
+            return admission.admit_unlocked(
+                Admission(self, config, call, None, task_id or uuid(), sent_args, sent_kwargs,
+                          options, publish)
+            )  # fmt: skip
         settings = config.runtime.settings
         if native.uses_native(settings.native, settings.broker_scheme, queue_name):
             rates.refuse_native(self)  # the broker deduplicates: no store counts the rate
             return self._publish_native(call, key, queue_name, task_id, options, publish)
         if task_id is None:
             task_id = deterministic_task_id(key) if call.deterministic_id else uuid()
-        return self._publish_with_lock(config, call, key, task_id, args, kwargs, options, publish)
+        return admission.admit(
+            Admission(self, config, call, key, task_id, sent_args, sent_kwargs, options, publish,
+                      store=config.runtime.store)
+        )  # fmt: skip
 
     def _as_sent(
         self,
@@ -530,348 +524,6 @@ class DedupTask(_Task):
         result.deduplicated = None  # only the broker knows
         return result
 
-    def _publish_with_lock(
-        self,
-        config: TaskConfig,
-        call: ResolvedOptions,
-        key: str,
-        task_id: str,
-        args: Any,
-        kwargs: Any,
-        options: dict[str, Any],
-        publish: Callable[[str, LockHeader], Any],
-    ) -> Any:
-        """Take the lock (or take it over), then publish; or report the duplicate."""
-        runtime = config.runtime
-        assert call.unique_for is not None
-        ttl = lock_ttl(call.unique_for, countdown=options.get("countdown"), eta=options.get("eta"))
-        canvas_key = call.deduplication_key is not None and _is_canvas(options)
-        # A canvas has no single end its lock could be released at: a key
-        # given to a chain or a group holds the canvas as one unit for unique_for.
-        until = UniqueUntil.EXPIRY if canvas_key else call.unique_until
-        keep_last = call.on_duplicate is OnDuplicate.KEEP_LAST
-        replaces = keep_last or call.on_duplicate is OnDuplicate.REPLACE
-        cancels = call.on_duplicate is OnDuplicate.CANCEL_RUNNING and not cancel.in_canvas(options)
-        # A message a newer call may take the key from waits for that call's
-        # publish when it finds its lock gone (it may be given back).
-        takes_over = replaces or cancels
-        max_wait = call.debounce_max_wait if call.on_duplicate is OnDuplicate.REPLACE else None
-        now = time.time()
-        owner = (
-            self._owner_token(config, call, args, kwargs, options)
-            if max_wait is None
-            # A replacing call is never judged for key reuse: the latest arguments win.
-            else debounce.guess_owner(key, max_wait, now)
-        )
-        holder_id = str(options.get("group_id") or task_id) if canvas_key else task_id
-        meta = meta_for(self, holder_id, until)
-        previous: Lock | None = None
-        cancelled: Lock | None = None
-        holder: Lock | None = None
-        capped = False
-        try:
-            store = runtime.store
-            if store is None:
-                return self._publish_unlocked(None, key, task_id, publish)
-            if replaces:
-                previous = self._take_over(store, key, owner, ttl, meta)
-                if max_wait is not None:
-                    owner, start = debounce.settle_owner(
-                        store, key, owner, previous, ttl, meta, now,
-                        runtime.settings.revoked_ttl,
-                    )
-                    capped = debounce.cap_eta(options, start, max_wait)
-            elif cancels:
-                cancelled = cancel.cancel_and_acquire(
-                    self,
-                    store,
-                    key,
-                    owner,
-                    ttl,
-                    meta,
-                    task_id=task_id,
-                    wait=call.cancel_wait,
-                    signal=call.cancel_signal,
-                )
-            else:
-                holder = store.acquire(key, owner, ttl, meta)
-        except StoreContention:
-            raise  # the store answers: contention is never an outage
-        except StoreError as exc:
-            # The write may still land when the store answers again (a paused
-            # or slow server): the published message carries the owner token,
-            # so it owns and releases such a lock; if nothing is published,
-            # the lock is released as soon as the store answers.
-            orphan = runtime.add_orphan(key, owner, ttl)
-            header = LockHeader(key, until, call.unique_for, takes_over, owner, keep_last)
-            result = self._publish_unlocked(exc, key, task_id, publish, header)
-            runtime.forget_orphan(orphan)
-            return result
-
-        if holder is not None and holder.owner != owner:
-            # (A holder with this call's own token is this call's write, seen
-            # again by a client that re-sent the command after losing its reply.)
-            return self._held(call, key, holder, task_id, args, kwargs, options, publish, owner)
-        refused = rates.admit_publish(
-            self, call.on_duplicate, store, key, task_id, args, kwargs, options,
-            give_back=lambda: self._give_back(store, key, owner, task_id, previous),
-            extend=lambda wait: store.extend(key, owner, ttl + wait),
-        )
-        if refused is not None:
-            return refused
-
-        header = LockHeader(key, until, call.unique_for, takes_over, owner, keep_last)
-        policy = "replace+max_wait" if max_wait is not None and capped else call.on_duplicate.value
-        return self._publish_taken(
-            store, key, task_id, ttl, header, publish,
-            previous=previous, cancelled=cancelled, policy=policy,
-        )  # fmt: skip
-
-    def _publish_taken(
-        self,
-        store: LockStore,
-        key: str,
-        task_id: str,
-        ttl: float,
-        header: LockHeader,
-        publish: Callable[[str, LockHeader], Any],
-        *,
-        previous: Lock | None,
-        cancelled: Lock | None,
-        policy: str,
-    ) -> Any:
-        """The key is this call's: publish, then deal with the holder it was taken from."""
-        self.dedup_config().runtime.metrics.incr(self.name, "acquired")
-        lock_acquired.send(
-            sender=self, key=key, task_id=task_id, ttl=ttl, policy=header.until.value
-        )
-        with coalesce.linked(self.backend, previous if header.last else None, task_id):
-            result = self._publish_locked(
-                store, key, task_id, header, publish, previous or cancelled
-            )
-        if cancelled is not None:
-            cancel.dismiss(self, key, task_id, cancelled)
-        if previous is not None:
-            self._revoke_replaced(key, task_id, previous, policy)
-        if header.last:
-            result = coalesce.following(result)
-        return mark_result(result, key, header.token)
-
-    def _publish_unlocked(
-        self,
-        error: StoreError | None,
-        key: str,
-        task_id: str,
-        publish: Callable[[str, LockHeader], Any],
-        header: LockHeader = NO_LOCK,
-    ) -> Any:
-        """No lock could be taken: apply ``dedup_fallback``, then publish.
-
-        A publish from inside a worker (a chain step, a callback, a chord
-        body) is never refused: the parent already did its work, and
-        failing it for a dedup reason would fail its whole canvas. The
-        message carries ``header`` (its owner token, when an acquire was
-        attempted): its start claim takes or confirms the lock.
-        """
-        try:
-            self.dedup_config().runtime.fall_back(self.name, error)
-        except DeduplicationUnavailable as exc:
-            if self.app.current_worker_task is None:
-                raise
-            logger.warning(
-                "celery-dedup: %s published without a lock from inside a worker "
-                "(dedup_fallback='closed' never fails the parent task): %s",
-                self.name,
-                exc,
-            )
-        return mark_result(publish(task_id, header), key, header.token)
-
-    def _held(
-        self,
-        call: ResolvedOptions,
-        key: str,
-        holder: Lock,
-        task_id: str,
-        args: Any,
-        kwargs: Any,
-        options: Mapping[str, Any],
-        publish: Callable[[str, LockHeader], Any],
-        owner: str = "",
-    ) -> Any:
-        """What a call whose key is held does.
-
-        A call that cannot be suppressed without losing work is published
-        without a lock: a chord member or body (a chord counts on it), a
-        worker-side chain step (the chain's result waits for its frozen id), a group member
-        (Celery froze its id) unless its group was given a key another call
-        holds. A duplicate canvas published outside a worker (a chain's first
-        step, the first member of a keyed group) raises ``DuplicateTaskError``
-        whatever ``on_duplicate`` says: Celery returns the canvas' result
-        before the first step is published, so nothing can stand in for it.
-        """
-        canvas = _is_canvas(options)
-        if (
-            options.get("chord")
-            or self._carries_chain_worker_side(options)
-            or (canvas and self._must_not_raise(options))
-        ):
-            return mark_result(publish(task_id, NO_LOCK), key)
-        group_id = options.get("group_id")
-        if group_id is not None and (
-            call.deduplication_key is None
-            or holder.task_id == group_id
-            or options.get("group_index")
-        ):
-            return mark_result(publish(task_id, NO_LOCK), key)
-        policy = call.on_duplicate.value
-        if key_reuse.conflicts(owner, holder):
-            key_reuse.report(self, call.on_key_reuse, key, holder.task_id, holder.ttl)
-            if call.on_key_reuse is not OnKeyReuse.IGNORE:
-                policy = f"on_key_reuse={call.on_key_reuse.value}"
-        return self._duplicate(
-            call, key, holder, task_id, args, kwargs, options, canvas=canvas, policy=policy
-        )
-
-    def _owner_token(
-        self,
-        config: TaskConfig,
-        call: ResolvedOptions,
-        args: Any,
-        kwargs: Any,
-        options: Mapping[str, Any],
-    ) -> str:
-        """A new owner token; with the fingerprint of the arguments for a caller's key."""
-        if call.deduplication_key is None or call.on_key_reuse is OnKeyReuse.IGNORE:
-            return new_token()
-        sent_args, sent_kwargs = self._as_sent(args, kwargs, options)
-        serializer = str(options.get("serializer") or config.serializer)
-        return key_reuse.token(
-            key_reuse.fingerprint(config.binder, sent_args, sent_kwargs, serializer)
-        )
-
-    def _must_not_raise(self, options: Mapping[str, Any]) -> bool:
-        """Inside a worker or beat, raising would fail the parent task or the schedule."""
-        return self.app.current_worker_task is not None or bool(
-            (options.get("headers") or {}).get("celery_beat_task")
-        )
-
-    def _take_over(
-        self, store: LockStore, key: str, owner: str, ttl: float, meta: Mapping[str, str]
-    ) -> Lock | None:
-        """Become the holder and refuse the previous publish's start (``replace``).
-
-        The previous owner is marked revoked before anything is published, so
-        it can never run after this call returns, even if the replacing task
-        runs and releases first or the revoke broadcast is lost. (A run in
-        progress is not stopped by it: only its copies, should its worker
-        die, are refused. ``keep_last`` relies on that: ``coalesce``.)
-        """
-        revoked_ttl = self.dedup_config().runtime.settings.revoked_ttl
-        return replace_holder(store, key, owner, ttl, meta, revoked_ttl)
-
-    def _restore(
-        self, store: LockStore, key: str, previous: Lock, release: Callable[[], Any]
-    ) -> None:
-        """A replacing (or cancelling) publish failed: give the key back to the previous holder.
-
-        The previous holder's revoked marker goes first, then ``release``
-        frees this call's lock, then the key is taken for the previous
-        holder: a start claim landing in between finds it held (and waits) or
-        free and unrevoked (and runs), never revoked with the key free.
-        """
-        try:
-            store.unrevoke(key, previous.owner)
-        except StoreError as exc:
-            logger.warning(
-                "celery-dedup: could not restore the lock of %s[%s] after a failed replace: %s",
-                self.name,
-                previous.task_id,
-                exc,
-            )
-            release()
-            return
-        release()
-        try:
-            meta = {
-                "task_name": previous.task_name,
-                "policy": previous.policy,
-                "task_id": previous.task_id,
-                "started": "1" if previous.started else "",
-            }
-            holder = store.acquire(key, previous.owner, max(previous.ttl, 1.0), meta)
-        except StoreError as exc:
-            logger.warning(
-                "celery-dedup: could not restore the lock of %s[%s] after a failed replace: %s",
-                self.name,
-                previous.task_id,
-                exc,
-            )
-            return
-        if holder is not None:
-            # Another call took the free key first: its message runs the work.
-            logger.info(
-                "celery-dedup: %s[%s] was replaced by a failed publish and then by %s",
-                self.name,
-                previous.task_id,
-                holder.task_id,
-            )
-
-    def _give_back(
-        self, store: LockStore, key: str, owner: str, task_id: str, previous: Lock | None
-    ) -> None:
-        """A call refused after its lock was taken (its rate limit): free the lock."""
-
-        def release() -> None:
-            worker.release(self, store, key, owner, task_id, "rate_limited")
-
-        if previous is None:
-            release()
-        else:
-            self._restore(store, key, previous, release)
-
-    def _publish_locked(
-        self,
-        store: LockStore,
-        key: str,
-        task_id: str,
-        header: LockHeader,
-        publish: Callable[[str, LockHeader], Any],
-        previous: Lock | None = None,
-    ) -> Any:
-        """Publish; if publishing raises, release the lock just taken and re-raise.
-
-        An eager call runs its body inside ``publish()``: its own hooks apply
-        the policy once the body started, so only a call that raised before
-        its body ran (wrong arity, an unserialisable argument) releases here.
-        A replacing call gives the key back to the ``previous`` holder.
-        """
-        owner = header.owner(task_id)
-        try:
-            return publish(task_id, header)
-        except BaseException:
-            # (Only an eager call's body can have started: no conf lookup needed.)
-            started = worker.eager_body_started(owner)
-
-            def release() -> None:
-                if not started:
-                    worker.release(self, store, key, owner, task_id, "publish_failed")
-
-            if previous is None:
-                release()
-            else:
-                self._restore(store, key, previous, release)
-            raise
-        finally:
-            worker.eager_body_started(owner)
-
-    def _carries_chain_worker_side(self, options: Mapping[str, Any]) -> bool:
-        """A chain step the worker publishes, the last one included (``chain=[]``).
-
-        Celery froze its id and the chain's result waits for it: a suppressed
-        step would leave that result ``PENDING`` forever.
-        """
-        return options.get("chain") is not None and self.app.current_worker_task is not None
-
     def delay(self, *args: Any, **kwargs: Any) -> Any:
         """Star-argument shortcut for ``apply_async``; may return a ``DeduplicatedResult``."""
         return self.apply_async(args, kwargs)
@@ -914,90 +566,6 @@ class DedupTask(_Task):
             return False
         current = self.app.current_worker_task
         return current is not None and current.request.id == task_id
-
-    def _duplicate(
-        self,
-        call: ResolvedOptions,
-        key: str,
-        holder: Lock,
-        duplicate_id: str,
-        args: Any,
-        kwargs: Any,
-        options: Mapping[str, Any],
-        *,
-        canvas: bool = False,
-        policy: str = "",
-    ) -> DeduplicatedResult:
-        """Report a suppressed call, then return the holder's result or raise.
-
-        ``policy`` (what decided: the call's ``on_duplicate``, or
-        ``on_key_reuse=warn``) goes into its ``task-deduplicated`` event.
-        """
-        runtime = self.dedup_config().runtime
-        if duplicate_id == holder.task_id:
-            duplicate_id = uuid()  # a deterministic id: the event needs its own uuid
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug(
-                "celery-dedup: %s duplicate suppressed (key %s, ttl %.1fs)",
-                self.name,
-                key.rsplit(":", 1)[-1][:16],
-                holder.ttl,
-            )
-        runtime.metrics.incr(self.name, "deduplicated")
-        task_deduplicated.send(
-            sender=self,
-            key=key,
-            existing_task_id=holder.task_id,
-            duplicate_id=duplicate_id,
-            args=args,
-            kwargs=kwargs,
-            ttl=holder.ttl,
-        )
-        if runtime.settings.send_events:
-            events.send_deduplicated(
-                self.app,
-                task_name=self.name,
-                duplicate_id=duplicate_id,
-                holder_id=holder.task_id,
-                args=args,
-                kwargs=kwargs,
-                policy=policy or call.on_duplicate.value,
-            )
-        raises = canvas or call.on_duplicate is OnDuplicate.RAISE
-        if raises and not self._must_not_raise(options):
-            raise DuplicateTaskError(
-                task_name=self.name, key=key, existing_task_id=holder.task_id, ttl=holder.ttl
-            )
-        return DeduplicatedResult(
-            holder.task_id,
-            app=self.app,
-            backend=self.backend,
-            deduplication_key=key,
-            # The owner token is the holder's proof of ownership: never hand it out.
-            lock=holder.without_owner(),
-            duplicate_id=duplicate_id,
-        )
-
-    def _revoke_replaced(
-        self, key: str, task_id: str, previous: Lock, policy: str = "replace"
-    ) -> None:
-        """Tell workers to drop the replaced message (saves work; its start claim refuses it).
-
-        A ``keep_last`` holder whose run is in progress is followed, not
-        replaced: no revoke is broadcast (its run goes on to its end).
-        """
-        self.dedup_config().runtime.metrics.incr(self.name, "replaced")
-        follows = policy == OnDuplicate.KEEP_LAST.value and previous.started
-        lock_replaced.send(
-            sender=self,
-            key=key,
-            task_id=task_id,
-            previous_task_id=previous.task_id,
-            policy=policy,
-            follow_up=follows,
-        )
-        if not follows:
-            cancel.drop_message(self, key, previous.task_id, task_id, "replaced")
 
     # -- worker-side hooks -------------------------------------------------
 
@@ -1122,8 +690,3 @@ def _takes_over_lock(task: DedupTask, sig: Any) -> bool:
         return False
     target = task.app.tasks.get(str(sig.task))
     return target is not None and hasattr(target, "dedup_config")
-
-
-def _is_canvas(options: Mapping[str, Any]) -> bool:
-    """A group member or a chain's first step (not a chord: chords publish members anyway)."""
-    return bool((options.get("group_id") or options.get("chain")) and not options.get("chord"))

@@ -50,6 +50,7 @@ __all__ = [
     "LockStore",
     "QueuedTakeOver",
     "RateAnswer",
+    "RateRelease",
     "RateSupport",
     "RateWindow",
     "RevokeOutcome",
@@ -568,6 +569,23 @@ class RateSupport(Protocol):
     def rate_window(self, key: str, limit: int, period: float) -> RateAnswer:
         """The window of ``key`` as it is (nothing counted): its count, its last
         member and (``wait``) when it has room again under ``limit``.
+        """
+
+
+@runtime_checkable
+class RateRelease(Protocol):
+    """**Protocol:** a store that can take a counted publish back out of its window.
+
+    The undo of ``RateSupport.hit_rate``: a call refused or failed after
+    its publish was counted (its lock was held, its publish raised) leaves
+    no entry behind. A store without it keeps the entry until the period
+    ends (the window then counts a publish that never happened).
+    """
+
+    def forget_rate(self, key: str, member: str) -> bool:
+        """Remove ``member`` from the window of ``key``; whether it was there.
+
+        One round trip, atomic; idempotent.
         """
 
 

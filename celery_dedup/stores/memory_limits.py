@@ -125,3 +125,8 @@ class MemoryLimits:
             return RateAnswer(False, at - now, len(ordered), last)
         window[member] = at
         return RateAnswer(True, at - now, len(ordered) + 1, member)
+
+    def forget_rate(self, key: str, member: str) -> bool:
+        """Take ``member`` back out of the window (``RateRelease``)."""
+        with self._mutex:
+            return self._rates.get(key, {}).pop(member, None) is not None

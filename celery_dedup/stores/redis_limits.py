@@ -256,6 +256,11 @@ class RedisLimits:
                         found.append((physical[strip:], float(raw[0]), entries))
         return sorted(found)
 
+    def forget_rate(self, key: str, member: str) -> bool:
+        """ZREM the member from the window (``RateRelease``; one round trip)."""
+        with self._boundary():
+            return bool(self.client.zrem(self._k(key), member))
+
 
 def _glob_escape(text: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)

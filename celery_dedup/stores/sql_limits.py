@@ -137,6 +137,17 @@ ON CONFLICT (key) DO UPDATE SET
 RETURNING entries, {_NOW} AS now
 """)
 
+FORGET_RATE = text(f"""
+UPDATE {RATE_TABLE} SET entries = coalesce((
+    SELECT jsonb_agg(e ORDER BY ord)
+    FROM jsonb_array_elements(CAST(entries AS jsonb)) WITH ORDINALITY AS t(e, ord)
+    WHERE e ->> 1 <> :member
+  ), '[]'::jsonb)::text
+WHERE key = :key AND EXISTS (
+  SELECT 1 FROM jsonb_array_elements(CAST(entries AS jsonb)) AS u(e) WHERE e ->> 1 = :member
+)
+""")
+
 READ_RATE = text(f"SELECT entries, {_NOW} AS now FROM {RATE_TABLE} WHERE key = :key")
 
 LIST_SLOTS = text(
@@ -280,6 +291,10 @@ class SQLLimits:
                 ages = tuple(now - at for at, _ in entries)
                 found.append(RateWindow(str(row.key), ages, entries[0][1]))
         return found
+
+    def forget_rate(self, key: str, member: str) -> bool:
+        """Take ``member`` back out of the window (``RateRelease``; one UPDATE)."""
+        return bool(self._limits(FORGET_RATE, {"key": key, "member": member}, key).rowcount)
 
 
 def _like(prefix: str) -> str:

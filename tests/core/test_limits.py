@@ -471,24 +471,33 @@ def test_store_without_rate_support_is_loud(app_factory: AppFactory) -> None:
         job.delay("x")
 
 
-def test_rate_limited_existing_returns_last_publish(app_factory: AppFactory) -> None:
-    """on_duplicate="existing": a call over the rate gets the latest admitted publish's handle."""
+def test_rate_limited_call_raises_unless_it_asks_for_the_last_publish(
+    app_factory: AppFactory,
+) -> None:
+    """A call over the rate raises ``RateLimited`` whatever ``on_duplicate`` says; only
+    ``on_rate_limit="last_publish"`` answers with the latest admitted publish's handle."""
     app = app_factory("limits-existing")
 
     @app.task(base=DedupTask, shared=False, rate_limit_per_key="2/h", rate_key="{user}")
     def job(user: str, n: int) -> None:
         return None
 
-    first = job.delay("u", 1)
-    second = job.delay("u", 2)
-    third = job.delay("u", 3)
-    assert third.deduplicated is True
-    assert third.id == second.id != first.id
+    @app.task(base=DedupTask, shared=False, rate_limit_per_key="2/h", rate_key="{user}",
+              on_rate_limit="last_publish")
+    def asks(user: str, n: int) -> None:
+        return None
+
+    job.delay("u", 1)
+    job.delay("u", 2)
     with pytest.raises(RateLimited) as info:
-        job.apply_async(("u", 4), on_duplicate="raise")
+        job.delay("u", 3)  # different work: never another call's handle
     assert 0 < info.value.retry_after <= 3600
     assert "u" not in str(info.value).split()  # safe to show: no key, no task id
     assert job.delay("v", 1).deduplicated is False  # another rate key
+    asks.delay("u", 1)
+    second = asks.delay("u", 2)
+    third = asks.delay("u", 3)
+    assert third.deduplicated is True and third.id == second.id
 
 
 def test_memory_store_slots_follow_the_protocol() -> None:

@@ -1,0 +1,107 @@
+"""The check step of ``rate_limit_per_key``: a reservation in the rate window, with its undo."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import rates
+from ..exceptions import StoreContention, StoreError
+from ..limits import Rate
+from ..options import OnDuplicate
+from ..stores.base import RateAnswer, RateSupport
+from . import duplicate
+from .canvas import is_canvas
+from .fallback import fall_back
+from .lock import owner_token
+from .state import Admission, Refusal
+
+__all__ = ["RateStep"]
+
+
+@dataclass(frozen=True)
+class _Counted:
+    rates: RateSupport
+    rate_key: str
+    member: str
+
+
+class RateStep:
+    """Count the publish in its rate key's window before anything else is written.
+
+    Over the limit the call is refused (``RateLimited``, or the last
+    publish's handle when asked for by name) or, with
+    ``on_rate_limit="delay"`` and for every call the canvas rules protect,
+    admitted at its reserved place with a countdown. The undo takes the
+    entry back out (the lock was held, the publish failed).
+    """
+
+    def enter(self, adm: Admission) -> Refusal | None:
+        """Count the call, or refuse it; nothing counted when it refuses or raises."""
+        store = adm.store if adm.store is not None else adm.config.runtime.store
+        window = rates.window_of(adm.task, store, adm.args, adm.kwargs, adm.key)
+        if window is None:
+            return None
+        counter, rate_key, rate, delay = window
+        answer = self._hit(adm, counter, rate_key, rate, delay)
+        if answer is None or answer.admitted:
+            return None
+
+        def answer_refusal() -> object:
+            held = _duplicate_of(adm)
+            if held is not None:
+                return held
+            # A chain's first step has no handle that could stand in for its chain.
+            return rates.refused(
+                adm.task, rate_key, answer, adm.task_id, adm.args, adm.kwargs,
+                may_return=not is_canvas(adm.options),
+            )  # fmt: skip
+
+        def let_in() -> None:
+            # Never dropped, never raising: the call waits for its place instead.
+            self._hit(adm, counter, rate_key, rate, True)
+
+        return Refusal("rate", answer_refusal, let_in)
+
+    def undo(self, adm: Admission) -> None:
+        """Take the counted publish back out of the window (not if an eager body ran)."""
+        counted: _Counted | None = adm.notes.pop("rate", None)
+        if counted is not None and not adm.body_started:
+            rates.forget(adm.task, counted.rates, counted.rate_key, counted.member)
+
+    def _hit(
+        self, adm: Admission, counter: RateSupport, rate_key: str, rate: Rate, delay: bool
+    ) -> RateAnswer | None:
+        """One round trip; ``None`` when the store did not answer and the fallback lets it in."""
+        try:
+            answer = rates.hit(adm.task, counter, rate_key, adm.task_id, rate, delay)
+        except StoreContention:
+            raise
+        except StoreError as exc:
+            fall_back(adm, exc)
+            return None
+        if answer.admitted:
+            adm.notes["rate"] = _Counted(counter, rate_key, adm.task_id)
+            rates.delayed(adm.task, adm.options, answer.wait)
+        return answer
+
+
+def _duplicate_of(adm: Admission) -> object | None:
+    """A refused call whose key is held answers as the duplicate it is (``existing``/``raise``).
+
+    The window is full, but this call is the same work as the live
+    holder's: its handle (or ``DuplicateTaskError``) is the true answer. A
+    call that would take the key over (``replace``, ``keep_last``,
+    ``cancel_running``) is a new publish: it stays refused. One more round
+    trip, on refusals only.
+    """
+    if adm.key is None or adm.store is None:
+        return None
+    if adm.call.on_duplicate not in (OnDuplicate.EXISTING, OnDuplicate.RAISE):
+        return None
+    try:
+        holder = adm.store.get(adm.key)
+    except StoreError:
+        return None
+    if holder is None:
+        return None
+    return duplicate.answer(adm, holder, owner_token(adm))

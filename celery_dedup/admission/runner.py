@@ -1,0 +1,66 @@
+"""Run the admission steps in their fixed order; undo them in reverse on a refusal or error."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from . import canvas, effects
+from .lock import LockStep
+from .publish import PublishStep
+from .rate import RateStep
+from .state import Admission, Step
+
+__all__ = ["LOCKED", "UNLOCKED", "admit", "admit_unlocked", "run"]
+
+logger = logging.getLogger("celery_dedup")
+
+#: a call with a key: check, lock, publish
+LOCKED: Sequence[Step] = (RateStep(), LockStep(), PublishStep())
+#: a call without a key (``identity="always_unique"``): check, publish
+UNLOCKED: Sequence[Step] = (RateStep(), PublishStep())
+
+
+def run(adm: Admission, steps: Sequence[Step]) -> tuple[bool, object]:
+    """Enter each step in order; on a refusal or error, undo the entered ones in reverse.
+
+    A refusal the canvas rules overrule (``canvas.lets_in``) is let in by
+    its own step and the call goes on. Returns ``(True, None)`` when every
+    step passed, ``(False, answer)`` with the refusal's answer otherwise.
+    """
+    entered: list[Step] = []
+    try:
+        for step in steps:
+            refusal = step.enter(adm)
+            if refusal is not None:
+                if canvas.lets_in(adm, refusal):
+                    assert refusal.let_in is not None
+                    refusal.let_in()
+                else:
+                    _undo(adm, entered)
+                    return False, refusal.answer()
+            entered.append(step)
+    except BaseException:
+        _undo(adm, entered)
+        raise
+    return True, None
+
+
+def _undo(adm: Admission, entered: list[Step]) -> None:
+    for step in reversed(entered):
+        try:
+            step.undo(adm)
+        except Exception:  # an undo is best effort: the TTL bounds what it leaves
+            logger.warning("celery-dedup: could not undo %s", type(step).__name__, exc_info=True)
+
+
+def admit(adm: Admission) -> object:
+    """Admit a call that has a key; after its publish, the effects nothing can undo."""
+    admitted, answer = run(adm, LOCKED)
+    return effects.apply(adm) if admitted else answer
+
+
+def admit_unlocked(adm: Admission) -> object:
+    """Admit a call that takes no lock (only its checks apply)."""
+    admitted, answer = run(adm, UNLOCKED)
+    return effects.apply(adm) if admitted else answer
