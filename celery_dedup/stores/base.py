@@ -560,6 +560,9 @@ class RateSupport(Protocol):
     ) -> RateAnswer:
         """Count the publish ``member`` (a task id) on ``key`` if the window has room.
 
+        Each call is one publish: calls sharing a task id (``deterministic_id``)
+        take one place each.
+
         With ``delay``, a full window admits it anyway at the earliest time
         the window has room (``wait`` seconds from now), reserving that
         place, so delayed publishes never exceed the limit either.

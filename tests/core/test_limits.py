@@ -491,6 +491,24 @@ def test_rate_limited_existing_returns_last_publish(app_factory: AppFactory) -> 
     assert job.delay("v", 1).deduplicated is False  # another rate key
 
 
+def test_rate_limit_counts_calls_sharing_a_task_id(app_factory: AppFactory) -> None:
+    """5 calls at 2/m with one caller-chosen task id: 2 published, 3 raise ``RateLimited``."""
+    app = app_factory("limits-same-id")
+
+    @app.task(base=DedupTask, shared=False, rate_limit_per_key="2/m", rate_key="{user}")
+    def job(user: str, n: int) -> None:
+        return None
+
+    outcomes = []
+    for n in range(5):
+        try:
+            job.apply_async(("u", n), task_id="stable-id", on_duplicate="raise")
+            outcomes.append("published")
+        except RateLimited:
+            outcomes.append("limited")
+    assert outcomes == ["published"] * 2 + ["limited"] * 3
+
+
 def test_memory_store_slots_follow_the_protocol() -> None:
     """The memory store's slots: a limit, re-entry, give-back and lapsed leases."""
     now = [1000.0]
