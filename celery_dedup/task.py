@@ -98,6 +98,11 @@ _ATTRIBUTES: Mapping[str, Callable[[Any, str], Any]] = {
 }
 
 
+#: Task options that may be functions of the call's arguments: Celery keeps
+#: task options as class attributes, so each is kept as a ``staticmethod``.
+_CALLABLE_ATTRIBUTES = ("deduplication_key", "concurrency_key", "rate_key")
+
+
 @dataclass(frozen=True)
 class TaskConfig:
     """A task's options after task attributes and app settings, resolved once."""
@@ -241,10 +246,11 @@ class DedupTask(_Task):
         if cls.__dict__.get("unique_on") is not None and "run" in cls.__dict__:
             # Unknown parameter names fail at definition, not at the first call.
             ArgumentBinder(cls.run, task_name, _validate_unique_on(cls.unique_on, "unique_on"))
-        key_callable = cls.__dict__.get("deduplication_key")
-        if key_callable is not None and not isinstance(key_callable, staticmethod):
-            # A function stored on the class would become a bound method.
-            cls.deduplication_key = staticmethod(key_callable)
+        for name in _CALLABLE_ATTRIBUTES:
+            given = cls.__dict__.get(name)
+            if callable(given) and not isinstance(given, staticmethod):
+                # A function stored on the class would become a bound method.
+                setattr(cls, name, staticmethod(given))
 
     # -- configuration -----------------------------------------------------
 
