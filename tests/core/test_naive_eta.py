@@ -87,7 +87,7 @@ def test_delayed_rate_place_keeps_a_naive_eta_in_utc(
 
 
 def test_lock_of_a_naive_eta_lives_until_it_runs(host_zone: str, app_factory: AppFactory) -> None:
-    """A call scheduled 100 s ahead by a naive ``eta`` holds its lock for 100 s plus ``unique_for``."""
+    """A call 100 s ahead by a naive ``eta`` holds its lock 100 s plus ``unique_for``."""
     app = app_factory("naive-eta-lock")
 
     @app.task(base=DedupTask, shared=False, unique_for=10)
