@@ -42,8 +42,8 @@ id                      setting
                         options (nothing reads them); checked once the
                         Celery app is finalized
 ``celery_dedup.E032``   ``CELERY_DEDUP_SILENCED_WARNINGS``
-``celery_dedup.W101``…  the settings lint (``celery_dedup.lint``): W101-
-``celery_dedup.W109``   W105, W108, W109 and the store-type cases of W107
+``celery_dedup.W101``…  the settings lint (``celery_dedup.lint``): W101,
+``celery_dedup.W109``   W102, W105, W108, W109 and the store-type cases of W107
                         once the Celery app is finalized; W106/I106 and
                         the Redis cases of W107/I107 ask the store's
                         server (``database`` tag, with E015)
