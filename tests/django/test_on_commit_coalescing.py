@@ -281,3 +281,25 @@ def test_folded_calls_are_reported_on_commit(
     ]
     assert folded[0]["result"] == f"coalesced on commit into {message} (on_commit)"
     assert len({e["uuid"] for e in folded} | {message}) == 3
+
+
+def test_a_hook_run_by_capture_on_commit_callbacks_takes_no_more_calls(
+    celery_app: Any, coalesced: Any, published: Published, db: None,
+    django_capture_on_commit_callbacks: Any,
+) -> None:
+    """In a ``TestCase`` the hooks that ``captureOnCommitCallbacks(execute=True)`` ran stay
+    in the connection's list: a later call gets a hook of its own, as after a commit.
+    """
+    store = runtime_for(celery_app).store
+    assert isinstance(store, DjangoStore)
+    with django_capture_on_commit_callbacks(execute=True) as first:
+        coalesced.delay_on_commit(12)
+        coalesced.delay_on_commit(12)
+    assert len(first) == 1 and len(published.ids) == 1
+    # The worker ran it and released the lock, as in production.
+    (lock,) = _locks(store)
+    assert store.release(lock.key, lock.owner)
+    with django_capture_on_commit_callbacks(execute=True) as second:
+        coalesced.delay_on_commit(12)
+    assert len(second) == 1 and len(published.ids) == 2
+    assert [lock.task_name for lock in _locks(store)] == [NAME]
