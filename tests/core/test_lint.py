@@ -188,13 +188,6 @@ def test_w102_unique_until_start_on_a_task_that_retries(
         assert "W102" not in {i for i, _ in found}
 
 
-@pytest.fixture(scope="module")
-def durable_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    """A Redis as a default redis-server is: RDB snapshots, no eviction."""
-    with redis_configured(tmp_path_factory.mktemp("rdb"), "--save", "3600 1") as server:
-        yield server
-
-
 def test_idempotency_recipe_on_a_redis_broker_passes_the_lint(
     durable_redis: RedisServer, monkeypatch: pytest.MonkeyPatch, dedup_log: DedupLog
 ) -> None:

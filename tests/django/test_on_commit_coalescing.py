@@ -8,6 +8,7 @@ are counted with Celery's ``after_task_publish`` signal, runs in the task body.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -303,3 +304,28 @@ def test_a_hook_run_by_capture_on_commit_callbacks_takes_no_more_calls(
         coalesced.delay_on_commit(12)
     assert len(second) == 1 and len(published.ids) == 2
     assert [lock.task_name for lock in _locks(store)] == [NAME]
+
+
+@pytest.mark.parametrize("runner", ["asyncio.run", "async_to_sync"])
+def test_delay_from_an_async_view_with_the_django_db_store(
+    coalesced: Any, worker: Any, lock_store: DjangoStore, published: Published, runner: str
+) -> None:
+    """``delay()`` on an event loop's thread (an async view) publishes as for a plain task:
+    the store's database work runs off the loop; the duplicate is refused; one run.
+
+    ``asyncio.run`` stands for an ASGI server's loop, ``async_to_sync`` for an
+    async test (or sync middleware) waiting in a thread of its own.
+    """
+    from asgiref.sync import async_to_sync
+
+    async def view(n: int) -> tuple[Any, Any]:
+        return coalesced.delay(n), coalesced.delay(n)
+
+    n = 20 if runner == "asyncio.run" else 21
+    first, again = asyncio.run(view(n)) if runner == "asyncio.run" else async_to_sync(view)(n)
+    assert (first.deduplicated, again.deduplicated) == (False, True)
+    assert again.id == first.id and len(published.ids) == 1
+    assert first.get(timeout=30) == n
+    _wait_until(lambda: _runs(f"n={n}") == 1)
+    _wait_until(lambda: [lock for lock in lock_store.scan("") if lock.task_name == NAME] == [])
+    assert _runs(f"n={n}") == 1
