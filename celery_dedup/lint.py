@@ -29,6 +29,7 @@ from .stores import derive_store_url, split_url
 from .stores.base import Durability
 
 __all__ = [
+    "RETIRED",
     "RULES",
     "SERVER_RULES",
     "AppFacts",
@@ -52,6 +53,9 @@ class Rule:
     fix: str
 
 
+#: ids no longer reported (still accepted when silenced, so old settings keep working)
+RETIRED: Final = frozenset({"W103"})
+
 #: every lint id, in the order the docs list them
 RULES: Final[Mapping[str, Rule]] = {
     rule.id: rule
@@ -60,8 +64,6 @@ RULES: Final[Mapping[str, Rule]] = {
              "expire mid-run", "set unique_for to at least the time limit"),
         Rule("W102", 'unique_until="start" on a task that retries: the key is free while '
              "a retry waits", 'use unique_until="success" (or "finish")'),
-        Rule("W103", "the broker's visibility_timeout is shorter than unique_for",
-             "raise broker_transport_options['visibility_timeout'] above unique_for"),
         Rule("W104", "a call's countdown (or eta) is longer than the broker's "
              "visibility_timeout", "raise visibility_timeout above the longest countdown"),
         Rule("W105", "an acks_late task's time limit is longer than the broker's "
@@ -242,11 +244,10 @@ def _task_rules(app: AppFacts, task: TaskFacts) -> Iterator[Finding]:
                        f"but the task retries ({task.retries}): while a retry waits the key "
                        "is free and the same call can be published and run again", task.name)
     vt = app.visibility_timeout
-    if vt and vt < task.unique_for:
-        yield _finding("W103", f"the broker's visibility_timeout ({_g(vt)}) is shorter than "
-                       f"unique_for ({_g(task.unique_for)}): a message not acknowledged "
-                       "(waiting for its ETA, prefetched, or running with acks_late) is "
-                       "delivered again while its lock still holds", task.name)
+    # A visibility_timeout shorter than unique_for is no hole: each copy the
+    # broker delivers again is refused by the run's records (its start
+    # claim, lease and done marker). What remains true of it, a run that
+    # outlasts the visibility_timeout, is W105's.
     if vt and task.acks_late and limit is not None and vt < limit[1]:
         yield _finding("W105", f"the task acknowledges late and its {limit[0]} "
                        f"({_g(limit[1])}) is longer than the broker's visibility_timeout "

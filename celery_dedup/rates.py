@@ -92,11 +92,20 @@ def refuse_native(task: DedupTask) -> None:
 
 
 def _delay(options: dict[str, Any], wait: float) -> None:
+    """Move the call to its reserved place, ``wait`` seconds from now, never earlier
+    than it asked for. Celery runs a ``countdown`` over an ``eta`` and reads a
+    naive ``eta`` (or ISO string) as UTC, whatever the host's time zone: so
+    does this.
+    """
     eta = options.get("eta")
-    if eta is not None:
-        now = dt.datetime.now(eta.tzinfo) if isinstance(eta, dt.datetime) else None
-        if now is not None:
-            options["eta"] = max(eta, now + dt.timedelta(seconds=wait))
+    if not options.get("countdown") and eta is not None:
+        when = dt.datetime.fromisoformat(eta) if isinstance(eta, str) else eta
+        if isinstance(when, dt.datetime):
+            if when.tzinfo is None:
+                when = when.replace(tzinfo=dt.timezone.utc)
+            place = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=wait)
+            if place > when:
+                options["eta"] = place
             return
     options["countdown"] = max(float(options.get("countdown") or 0.0), wait)
 

@@ -19,6 +19,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .app_urls import broker_scheme, result_backend
 from .events import default_send_events
 from .exceptions import DeduplicationUnavailable, ImproperlyConfigured, StoreError
 from .identity import Identity
@@ -159,7 +160,7 @@ class AppSettings:
             done_ttl=read_setting(conf, "dedup_done_ttl"),
             visibility_timeout=visibility_timeout(conf),
             native=read_setting(conf, "dedup_native"),
-            broker_scheme=str(conf.get("broker_url") or "").split(";")[0].partition("://")[0],
+            broker_scheme=broker_scheme(conf),
             store_options=dict(conf.get("dedup_store_options") or {}),
             silenced_warnings=read_setting(conf, "dedup_silenced_warnings"),
             on_key_reuse=read_setting(conf, "dedup_on_key_reuse"),
@@ -324,7 +325,7 @@ class Runtime:
             self._warned.add(cause)
             if error is None:
                 logger.warning(
-                    W_NO_STORE, self.app.conf.get("result_backend"), _broker_scheme(self.app)
+                    W_NO_STORE, result_backend(self.app.conf) or None, _broker_scheme(self.app)
                 )
             else:
                 logger.warning(W_UNAVAILABLE, error)
@@ -339,7 +340,7 @@ _REDELIVERING = frozenset({"redis", "rediss", "redis+socket", "sentinel", "sqs",
 
 def broker_redelivers(conf: Any) -> bool:
     """Whether the broker delivers an unacknowledged message again after ``visibility_timeout``."""
-    return str(conf.get("broker_url") or "").split(";")[0].partition("://")[0] in _REDELIVERING
+    return broker_scheme(conf) in _REDELIVERING
 
 
 def visibility_timeout(conf: Any) -> float:
@@ -348,7 +349,7 @@ def visibility_timeout(conf: Any) -> float:
     ``0`` for a transport that never redelivers an unacknowledged message by time.
     """
     options = conf.get("broker_transport_options") or {}
-    scheme = str(conf.get("broker_url") or "").split(";")[0].partition("://")[0]
+    scheme = broker_scheme(conf)
     given = options.get("visibility_timeout")
     if given is not None:
         return float(given)
@@ -356,13 +357,12 @@ def visibility_timeout(conf: Any) -> float:
 
 
 def _broker_scheme(app: Celery) -> str:
-    broker = app.conf.get("broker_url") or ""
-    return str(broker).partition("://")[0] or "none"
+    return broker_scheme(app.conf) or "none"
 
 
 def _backend_scheme(app: Celery) -> str:
-    backend = app.conf.get("result_backend") or ""
-    return f"{str(backend).partition('://')[0]}://" if backend else "none"
+    backend = result_backend(app.conf)
+    return f"{backend.partition('://')[0]}://" if backend else "none"
 
 
 def runtime_for(app: Celery) -> Runtime:

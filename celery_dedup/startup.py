@@ -41,6 +41,7 @@ from celery._state import connect_on_app_finalize, get_current_app
 from celery.signals import before_task_publish, celeryd_after_setup, task_retry, worker_init
 from kombu.utils.url import maybe_sanitize_url
 
+from .app_urls import broker_url, result_backend
 from .events import warn_if_events_off
 from .exceptions import InvalidOptionError
 from .identity import lock_key
@@ -236,8 +237,8 @@ def _close_thread_connections() -> None:
 def _no_store(app: Celery) -> str:
     return (
         "no lock store can be derived from this app (result backend "
-        f"{_scheme(app.conf.get('result_backend'))}, broker "
-        f"{_scheme(app.conf.get('broker_url'))}) and dedup_store is not set"
+        f"{_scheme(result_backend(app.conf))}, broker "
+        f"{_scheme(broker_url(app.conf))}) and dedup_store is not set"
     )
 
 

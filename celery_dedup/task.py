@@ -90,6 +90,11 @@ _ATTRIBUTES: Mapping[str, Callable[[Any, str], Any]] = {
 }
 
 
+#: Task options that may be functions of the call's arguments: Celery keeps
+#: task options as class attributes, so each is kept as a ``staticmethod``.
+_CALLABLE_ATTRIBUTES = ("deduplication_key", "concurrency_key", "rate_key")
+
+
 @dataclass(frozen=True)
 class TaskConfig:
     """A task's options after task attributes and app settings, resolved once."""
@@ -237,10 +242,11 @@ class DedupTask(_Task):
             # An override that skips ``super().__call__`` (Flask's FlaskTask)
             # must not run the body outside the start claim and release.
             cls.__call__ = envelope.wrap_call(cls.__call__)  # type: ignore[method-assign]
-        key_callable = cls.__dict__.get("deduplication_key")
-        if key_callable is not None and not isinstance(key_callable, staticmethod):
-            # A function stored on the class would become a bound method.
-            cls.deduplication_key = staticmethod(key_callable)
+        for name in _CALLABLE_ATTRIBUTES:
+            given = cls.__dict__.get(name)
+            if callable(given) and not isinstance(given, staticmethod):
+                # A function stored on the class would become a bound method.
+                setattr(cls, name, staticmethod(given))
 
     # -- configuration -----------------------------------------------------
 

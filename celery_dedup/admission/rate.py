@@ -80,7 +80,7 @@ class RateStep:
             fall_back(adm, exc)
             return None
         if answer.admitted:
-            adm.notes["rate"] = _Counted(counter, rate_key, adm.task_id)
+            adm.notes["rate"] = _Counted(counter, rate_key, answer.entry or adm.task_id)
             rates.delayed(adm.task, adm.options, answer.wait)
         return answer
 

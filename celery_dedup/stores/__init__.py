@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kombu.utils.imports import symbol_by_name
 from kombu.utils.url import maybe_sanitize_url
 
+from ..app_urls import broker_url, result_backend
 from ..exceptions import ImproperlyConfigured
 from .base import CounterSupport, Lock, LockMeta, LockStore
 
@@ -133,8 +134,8 @@ def is_result_backend(app: Celery, url: str) -> bool:
     A store is given the inner URL of an ``x+y://`` scheme (``socket://``
     for ``redis+socket://``), as Celery gives its backend: both forms match.
     """
-    backend = app.conf.get("result_backend")
-    if not isinstance(backend, str) or not backend:
+    backend = result_backend(app.conf)
+    if not backend:
         return False
     return url in (backend, split_url(backend)[1])
 
@@ -149,15 +150,14 @@ def derive_store_url(app: Celery) -> str | None:
     configured = app.conf.get("dedup_store")
     if configured:
         return str(configured)
-    backend = app.conf.get("result_backend")
-    if isinstance(backend, str) and backend:
+    backend = result_backend(app.conf)
+    if backend:
         alias, inner = split_url(backend)
         # cache+memory:// and memory:// keep results in one process only.
         if alias in ALIASES and "memory" not in (alias, inner.partition("://")[0]):
             return backend
-    broker = app.conf.get("broker_url")
-    if isinstance(broker, str) and broker:
-        first = broker.split(";")[0].strip()
-        if split_url(first)[0] in _BROKER_SCHEMES:
-            return first
+    # The broker in use: the first of a failover list.
+    first = broker_url(app.conf)
+    if first and split_url(first)[0] in _BROKER_SCHEMES:
+        return first
     return None

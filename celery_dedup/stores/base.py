@@ -545,6 +545,10 @@ class RateAnswer:
     count: int
     #: the task id of the most recent admitted publish ("" when none)
     last: str = ""
+    #: the window member this publish was counted under, when admitted: what
+    #: ``RateRelease.forget_rate`` takes back out (one per publish, even when
+    #: publishes share a task id)
+    entry: str = ""
 
 
 @runtime_checkable
@@ -560,6 +564,9 @@ class RateSupport(Protocol):
         self, key: str, member: str, limit: int, period: float, *, delay: bool
     ) -> RateAnswer:
         """Count the publish ``member`` (a task id) on ``key`` if the window has room.
+
+        Each call is one publish: calls sharing a task id (``deterministic_id``)
+        take one place each.
 
         With ``delay``, a full window admits it anyway at the earliest time
         the window has room (``wait`` seconds from now), reserving that
@@ -583,7 +590,8 @@ class RateRelease(Protocol):
     """
 
     def forget_rate(self, key: str, member: str) -> bool:
-        """Remove ``member`` from the window of ``key``; whether it was there.
+        """Remove ``member`` (a ``RateAnswer.entry``) from the window of ``key``; whether
+        it was there.
 
         One round trip, atomic; idempotent.
         """

@@ -72,6 +72,7 @@ from .base import (
     store_errors,
 )
 from .db_codes import classify_driver_error, driver_answer
+from .off_loop import run_off_loop
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -293,7 +294,14 @@ class DjangoStore:
                         wrapper.close()
 
     def _run(self, operation: Callable[[LockQueries], T]) -> T:
-        """Run ``operation``, again under contention; "unreachable" → ``StoreUnavailable``."""
+        """Run ``operation``, again under contention; "unreachable" → ``StoreUnavailable``.
+
+        On an event loop's thread (an async view) it runs where Django allows
+        (``off_loop``), as for a plain task's publish.
+        """
+        return run_off_loop(lambda: self._run_here(operation))
+
+    def _run_here(self, operation: Callable[[LockQueries], T]) -> T:
         for attempt in range(CONTENTION_ATTEMPTS):
             with self._connection() as queries, store_errors(
                 classify, self.name, lambda: self.label, _answer

@@ -57,6 +57,7 @@ from .memcached import (
     expiry_for,
     parse_servers,
 )
+from .off_loop import run_off_loop
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -402,8 +403,12 @@ class _GenericCacheLocks(CacheLocks):
 
         Each cache call is its own transaction, rolled back when it loses (an
         SQLite writer upgrading a read snapshot, a deadlock): running it again
-        is safe, and contention is never an outage.
+        is safe, and contention is never an outage. On an event loop's thread
+        (an async view) it runs where Django allows (``off_loop``).
         """
+        return run_off_loop(lambda: self._call_here(method, *args, **kwargs))
+
+    def _call_here(self, method: str, *args: Any, **kwargs: Any) -> Any:
         if not self._whole_seconds:
             return getattr(self.cache, method)(*args, **kwargs)
         from ..contrib.django.managers import is_contention

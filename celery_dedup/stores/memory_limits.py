@@ -6,6 +6,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from .base import RateAnswer, RateWindow, SlotUsage
+from .rate_entries import new_entry, task_id_of
 
 __all__ = ["MemoryLimits"]
 
@@ -105,7 +106,7 @@ class MemoryLimits:
                 newest = sorted(self._rates[key].items(), key=lambda item: -item[1])
                 if key.startswith(prefix) and newest:
                     ages = tuple(now - at for _, at in newest)
-                    found.append(RateWindow(key, ages, newest[0][0]))
+                    found.append(RateWindow(key, ages, task_id_of(newest[0][0])))
         return found
 
     def _hit(
@@ -117,14 +118,16 @@ class MemoryLimits:
             if at <= now - period:
                 del window[name]
         ordered = sorted(window.items(), key=lambda item: item[1])
-        last = ordered[-1][0] if ordered else ""
+        last = task_id_of(ordered[-1][0]) if ordered else ""
         at = now
         if len(ordered) >= limit:
             at = max(now, ordered[len(ordered) - limit][1] + period)
         if delay is None or (at > now and not delay):
             return RateAnswer(False, at - now, len(ordered), last)
-        window[member] = at
-        return RateAnswer(True, at - now, len(ordered) + 1, member)
+        # One entry per publish: calls sharing a task id count apart.
+        entry = new_entry(member)
+        window[entry] = at
+        return RateAnswer(True, at - now, len(ordered) + 1, member, entry)
 
     def forget_rate(self, key: str, member: str) -> bool:
         """Take ``member`` back out of the window (``RateRelease``)."""

@@ -1,8 +1,9 @@
 """Concurrency slots and publish rates in Redis (``SlotSupport``, ``RateSupport``).
 
 A slot key is a sorted set of holder → lease expiry (ms, server clock); a
-rate key is a sorted set of admitted task id → admission time (ms, server
-clock; a delayed publish is entered at the time it may run). Each
+rate key is a sorted set of admitted publishes (task id plus a nonce, so
+calls sharing a task id count apart) → admission time (ms, server clock; a
+delayed publish is entered at the time it may run). Each
 operation is one script on one key, so a cluster routes it by that key's
 slot, and every script leaves a TTL on the key it writes.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from functools import cached_property
 from typing import Any
 
@@ -18,6 +20,7 @@ import redis
 from redis.commands.core import Script
 
 from .base import RateAnswer, RateWindow, SlotUsage
+from .rate_entries import new_entry, task_id_of
 
 __all__ = ["RedisLimits"]
 
@@ -73,8 +76,8 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 return redis.call('ZCOUNT', KEYS[1], '(' .. now, '+inf')
 """
 
-# KEYS[1] - the rate key (sorted set task id -> admission time in ms)
-# ARGV[1] - the member (the publish's task id)
+# KEYS[1] - the rate key (sorted set publish -> admission time in ms)
+# ARGV[1] - the member (the publish's task id and a nonce: unique per publish)
 # ARGV[2] - the limit (publishes per period)
 # ARGV[3] - the period in milliseconds
 # ARGV[4] - "1": admit at the earliest free place; "0": refuse a full window;
@@ -198,8 +201,10 @@ class RedisLimits:
         self, key: str, member: str, limit: int, period: float, *, delay: bool
     ) -> RateAnswer:
         """Count the publish in the sliding window, or refuse it (one EVALSHA)."""
-        args = [member, limit, _ms(period), "1" if delay else "0"]
-        return _answer(self._run(self._limit_scripts["rate"], [self._k(key)], args))
+        entry = new_entry(member)
+        args = [entry, limit, _ms(period), "1" if delay else "0"]
+        answer = _answer(self._run(self._limit_scripts["rate"], [self._k(key)], args))
+        return replace(answer, entry=entry) if answer.admitted else answer
 
     def rate_window(self, key: str, limit: int, period: float) -> RateAnswer:
         """The window as it is (one EVALSHA that counts nothing)."""
@@ -222,7 +227,9 @@ class RedisLimits:
     def list_rates(self, prefix: str) -> list[RateWindow]:
         """Every rate key under ``prefix`` with entries (SCAN, then pipelined reads)."""
         return [
-            RateWindow(key, tuple((now - at) / 1000.0 for _, at in entries), entries[0][0])
+            RateWindow(
+                key, tuple((now - at) / 1000.0 for _, at in entries), task_id_of(entries[0][0])
+            )
             for key, now, entries in self._read_keys(prefix)
             if entries
         ]
@@ -271,5 +278,5 @@ def _answer(raw: Sequence[Any]) -> RateAnswer:
         admitted=bool(int(raw[0])),
         wait=int(raw[1]) / 1000.0,
         count=int(raw[2]),
-        last=_text(raw[3]),
+        last=task_id_of(_text(raw[3])),
     )

@@ -56,6 +56,7 @@ from sqlalchemy.exc import (
     SQLAlchemyError,
 )
 
+from ..app_urls import result_backend
 from ..exceptions import (
     ImproperlyConfigured,
     StoreContention,
@@ -330,7 +331,7 @@ class SQLStore(SQLLimits):
         as for Celery's DatabaseBackend.
         """
         engine_options: dict[str, Any] = {}
-        if app is not None and app.conf.get("result_backend") == f"db+{url}":
+        if app is not None and result_backend(app.conf) == f"db+{url}":
             engine_options.update(app.conf.get("database_engine_options") or {})
         engine_options.update(options or {})
         reap_interval = float(engine_options.pop("reap_interval", 60.0))

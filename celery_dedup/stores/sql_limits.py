@@ -1,7 +1,8 @@
 """Concurrency slots and publish rates in PostgreSQL (``SlotSupport``, ``RateSupport``).
 
 One row per slot key and one per rate key, the holders (``{holder: lease
-expiry}``) or the window (``[[time, task id], …]``) kept as JSON in the
+expiry}``) or the window (``[[time, publish], …]``, a publish being its task
+id and a nonce, so calls sharing a task id count apart) kept as JSON in the
 row. Each operation is one ``INSERT … ON CONFLICT DO UPDATE`` whose new
 value is computed from the row it locked: PostgreSQL evaluates it on the
 row's latest version, so concurrent calls serialise on the row and a
@@ -25,6 +26,7 @@ from sqlalchemy import Column, Double, Table, Text, text
 
 from ..exceptions import LimitsNotSupported
 from .base import RateAnswer, RateWindow, SlotUsage
+from .rate_entries import new_entry, task_id_of
 from .sql_dialects import KEY_LENGTH, _varchar, metadata
 
 __all__ = ["RATE_TABLE", "SLOT_TABLE", "SQLLimits", "rate_table", "slot_table"]
@@ -244,15 +246,16 @@ class SQLLimits:
         self, key: str, member: str, limit: int, period: float, *, delay: bool
     ) -> RateAnswer:
         """Count the publish in the sliding window, or refuse it (one upsert)."""
+        entry = new_entry(member)
         params = {
-            "key": key, "member": member, "limit": limit, "period": float(period), "delay": delay
+            "key": key, "member": entry, "limit": limit, "period": float(period), "delay": delay
         }
         row = self._limits(HIT_RATE, params, key).one()
         entries = [(float(at), str(m)) for at, m in json.loads(row.entries)]
         now = float(row.now)
-        mine = [at for at, m in entries if m == member]
+        mine = [at for at, m in entries if m == entry]
         if mine:
-            return RateAnswer(True, max(0.0, mine[0] - now), len(entries), member)
+            return RateAnswer(True, max(0.0, mine[0] - now), len(entries), member, entry)
         return _refused(entries, now, limit, period)
 
     def rate_window(self, key: str, limit: int, period: float) -> RateAnswer:
@@ -289,7 +292,7 @@ class SQLLimits:
             )
             if entries:
                 ages = tuple(now - at for at, _ in entries)
-                found.append(RateWindow(str(row.key), ages, entries[0][1]))
+                found.append(RateWindow(str(row.key), ages, task_id_of(entries[0][1])))
         return found
 
     def forget_rate(self, key: str, member: str) -> bool:
@@ -305,7 +308,7 @@ def _like(prefix: str) -> str:
 def _refused(entries: list[tuple[float, str]], now: float, limit: int, period: float) -> RateAnswer:
     entries = sorted(entries)
     n = len(entries)
-    last = entries[-1][1] if entries else ""
+    last = task_id_of(entries[-1][1]) if entries else ""
     wait = 0.0
     if n >= limit:
         wait = max(0.0, entries[n - limit][0] + period - now)

@@ -137,6 +137,49 @@ def test_default_concurrency_key_is_the_deduplication_key(
     assert ones[0][1] <= ones[1][0]  # the same key never overlapped
 
 
+def _user_of(user: str, item: int) -> str:
+    return user
+
+
+def test_callable_limit_keys_run_in_a_real_worker(
+    app_factory: AppFactory, worker_for: Any
+) -> None:
+    """A function as ``rate_key`` and ``concurrency_key`` is called with the call's arguments.
+
+    Celery keeps task options as class attributes; a plain function there
+    would come back as a bound method. 4 calls of user a at 3/m: 3 run, the
+    4th raises ``RateLimited``; user b's 2 run; a's never overlap (limit 1).
+    """
+    app = app_factory("limits-callable", dedup_lease_ttl=3)
+    runs: list[tuple[str, int, float, float]] = []
+
+    @app.task(
+        base=DedupTask, shared=False, on_duplicate="raise",
+        rate_limit_per_key="3/m", rate_key=_user_of,
+        concurrency_limit=1, concurrency_key=_user_of, concurrency_backoff=0.1,
+    )
+    def job(user: str, item: int) -> int:
+        start = time.monotonic()
+        time.sleep(0.1)
+        runs.append((user, item, start, time.monotonic()))
+        return item
+
+    results = [job.delay("a", i) for i in range(3)] + [job.delay("b", i) for i in range(2)]
+    with pytest.raises(RateLimited):
+        job.delay("a", 3)
+    worker_for(app, concurrency=4)
+    assert [r.get(timeout=60) for r in results] == [0, 1, 2, 0, 1]
+    assert sorted((user, item) for user, item, _, _ in runs) == [
+        ("a", 0), ("a", 1), ("a", 2), ("b", 0), ("b", 1)
+    ]
+    assert _max_overlap([(s, e) for user, _, s, e in runs if user == "a"]) == 1
+    store = runtime_for(app).store
+    assert isinstance(store, SlotSupport)
+    for user in ("a", "b"):
+        assert store.slots_in_use(concurrency_store_key("celery-dedup", job.name, user)) == 0
+    assert wait_until(lambda: not list(store.scan("celery-dedup:")), 10)  # every lock released
+
+
 @pytest.fixture
 def limits_env(redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     """Environment of the limits app's processes (broker db 14, backend and store db 15)."""
@@ -498,6 +541,24 @@ def test_rate_limited_call_raises_unless_it_asks_for_the_last_publish(
     second = asks.delay("u", 2)
     third = asks.delay("u", 3)
     assert third.deduplicated is True and third.id == second.id
+
+
+def test_rate_limit_counts_calls_sharing_a_task_id(app_factory: AppFactory) -> None:
+    """5 calls at 2/m with one caller-chosen task id: 2 published, 3 raise ``RateLimited``."""
+    app = app_factory("limits-same-id")
+
+    @app.task(base=DedupTask, shared=False, rate_limit_per_key="2/m", rate_key="{user}")
+    def job(user: str, n: int) -> None:
+        return None
+
+    outcomes = []
+    for n in range(5):
+        try:
+            job.apply_async(("u", n), task_id="stable-id", on_duplicate="raise")
+            outcomes.append("published")
+        except RateLimited:
+            outcomes.append("limited")
+    assert outcomes == ["published"] * 2 + ["limited"] * 3
 
 
 def test_memory_store_slots_follow_the_protocol() -> None:

@@ -254,3 +254,23 @@ def test_wrong_protocol_memcached_cache_is_unavailable(
         store.acquire("celery-dedup:k", "t1", 30, META)
     with pytest.raises(StoreUnavailable):
         store.claim("celery-dedup:k", "t1", release=False, ttl=30, meta=META)
+
+
+def test_store_works_on_an_event_loops_thread(store_django_cache: StoreCase) -> None:
+    """From an async view (a thread running an event loop) every cache backend takes,
+    refuses and releases a lock as from sync code (the database cache's ORM work runs off
+    the loop, never ``SynchronousOnlyOperation``).
+    """
+    import asyncio
+
+    store = store_django_cache.store
+    key = "celery-dedup:async-view"
+
+    async def view() -> tuple[Any, Any, bool]:
+        first = store.acquire(key, "owner-a", 30, META)
+        second = store.acquire(key, "owner-b", 30, META)
+        return first, second, store.release(key, "owner-a")
+
+    first, second, released = asyncio.run(view())
+    assert first is None and second is not None and second.owner == "owner-a"
+    assert released is True and store.get(key) is None

@@ -82,9 +82,6 @@ CASES: list[tuple[str, str | None, tuple[str, Tasks, dict[str, Any]],
     ("W102", "t.a",
      ("memory://", {"t.a": {"unique_until": "start", "autoretry_for": (KeyError,)}}, {}),
      ("memory://", {"t.a": {"unique_until": "success", "autoretry_for": (KeyError,)}}, {})),
-    ("W103", "t.a",
-     ("memory://", {"t.a": {"unique_for": 600}}, {"broker": FAKE_REDIS_BROKER, **VT}),
-     ("memory://", {"t.a": {"unique_for": 60}}, {"broker": FAKE_REDIS_BROKER, **VT})),
     ("W105", "t.a",
      ("memory://", {"t.a": {"unique_for": 30, "acks_late": True, "time_limit": 120}},
       {"broker": FAKE_REDIS_BROKER, **VT}),
@@ -169,6 +166,21 @@ def test_server_rules_run_with_the_database_tag(
     assert found & {"W106", "I106", "W107", "I107"} == {"I106", "I107"}
     lint_app(lru_redis.url(3), expiry, dedup_silenced_warnings=["W106"])
     assert {c for c, _ in _reported("--database", "default")} & {"W106", "W107"} == {"W107"}
+
+
+def test_idempotency_recipe_passes_both_checks(
+    lint_app: Any, durable_redis: RedisServer, db: None
+) -> None:
+    """``unique_for=86400, unique_until="expiry"`` on a Redis broker and store:
+    ``manage.py check --database default`` reports nothing and
+    ``manage.py dedup_locks check`` passes (W103 is retired).
+    """
+    lint_app(durable_redis.url(3), {"t.pay": {"unique_for": 86400, "unique_until": "expiry"}},
+             broker=durable_redis.url(2))
+    assert _reported("--database", "default") == set()
+    out = io.StringIO()
+    call_command("dedup_locks", "check", "--timeout", "20", stdout=out)
+    assert out.getvalue().rstrip().splitlines()[-1].endswith("deduplication is working")
 
 
 def test_django_cache_stores_answer_for_their_backend(

@@ -8,6 +8,7 @@ are counted with Celery's ``after_task_publish`` signal, runs in the task body.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -281,3 +282,50 @@ def test_folded_calls_are_reported_on_commit(
     ]
     assert folded[0]["result"] == f"coalesced on commit into {message} (on_commit)"
     assert len({e["uuid"] for e in folded} | {message}) == 3
+
+
+def test_a_hook_run_by_capture_on_commit_callbacks_takes_no_more_calls(
+    celery_app: Any, coalesced: Any, published: Published, db: None,
+    django_capture_on_commit_callbacks: Any,
+) -> None:
+    """In a ``TestCase`` the hooks that ``captureOnCommitCallbacks(execute=True)`` ran stay
+    in the connection's list: a later call gets a hook of its own, as after a commit.
+    """
+    store = runtime_for(celery_app).store
+    assert isinstance(store, DjangoStore)
+    with django_capture_on_commit_callbacks(execute=True) as first:
+        coalesced.delay_on_commit(12)
+        coalesced.delay_on_commit(12)
+    assert len(first) == 1 and len(published.ids) == 1
+    # The worker ran it and released the lock, as in production.
+    (lock,) = _locks(store)
+    assert store.release(lock.key, lock.owner)
+    with django_capture_on_commit_callbacks(execute=True) as second:
+        coalesced.delay_on_commit(12)
+    assert len(second) == 1 and len(published.ids) == 2
+    assert [lock.task_name for lock in _locks(store)] == [NAME]
+
+
+@pytest.mark.parametrize("runner", ["asyncio.run", "async_to_sync"])
+def test_delay_from_an_async_view_with_the_django_db_store(
+    coalesced: Any, worker: Any, lock_store: DjangoStore, published: Published, runner: str
+) -> None:
+    """``delay()`` on an event loop's thread (an async view) publishes as for a plain task:
+    the store's database work runs off the loop; the duplicate is refused; one run.
+
+    ``asyncio.run`` stands for an ASGI server's loop, ``async_to_sync`` for an
+    async test (or sync middleware) waiting in a thread of its own.
+    """
+    from asgiref.sync import async_to_sync
+
+    async def view(n: int) -> tuple[Any, Any]:
+        return coalesced.delay(n), coalesced.delay(n)
+
+    n = 20 if runner == "asyncio.run" else 21
+    first, again = asyncio.run(view(n)) if runner == "asyncio.run" else async_to_sync(view)(n)
+    assert (first.deduplicated, again.deduplicated) == (False, True)
+    assert again.id == first.id and len(published.ids) == 1
+    assert first.get(timeout=30) == n
+    _wait_until(lambda: _runs(f"n={n}") == 1)
+    _wait_until(lambda: [lock for lock in lock_store.scan("") if lock.task_name == NAME] == [])
+    assert _runs(f"n={n}") == 1

@@ -10,7 +10,11 @@ PAGE runs in order, as a reader would use it:
 * a ``console`` block's ``$ celery -A proj dedup …`` lines are run in WORKDIR
   and their output's first line is compared with the page's;
 * once every block ran, ``test_*.py`` files written by the page are run
-  with pytest in WORKDIR.
+  with pytest in WORKDIR;
+* with ``DOCS_CHECK_APPS`` set, every Celery app the page made (in its
+  namespace, or in a module it wrote) then passes ``celery dedup check``
+  (``check_report``), unless ``DOCS_CHECK_APPS`` is a JSON list of app
+  mains the page shows failing on purpose.
 
 ``run_page`` also runs a page in the calling process (the Django session
 does, for pages that need Django's test database): ``isolated`` undoes its
@@ -177,6 +181,8 @@ def run_page(page: Path, workdir: Path) -> None:
                     ) from exc
             elif sample.lang == "console":
                 _console(workdir, sample, page.name)
+        if os.environ.get("DOCS_CHECK_APPS"):
+            check_apps(page.name, namespace, workdir)
     tests = sorted(workdir.glob("**/test_*.py"))
     if tests:
         done = subprocess.run(
@@ -186,6 +192,40 @@ def run_page(page: Path, workdir: Path) -> None:
         )
         if done.returncode != 0:
             raise SampleFailed(f"{page.name}: the page's tests failed")
+
+
+def page_apps(namespace: dict[str, object], workdir: Path) -> list[object]:
+    """Every Celery app of a page: in its namespace, or in a module it wrote."""
+    from celery import Celery
+
+    found: dict[int, object] = {}
+    scopes = [namespace]
+    for module in list(sys.modules.values()):
+        origin = getattr(module, "__file__", None)
+        if origin and Path(origin).resolve().is_relative_to(workdir):
+            scopes.append(vars(module))
+    for scope in scopes:
+        for value in list(scope.values()):
+            if isinstance(value, Celery):
+                found.setdefault(id(value), value)
+    return list(found.values())
+
+
+def check_apps(page: str, namespace: dict[str, object], workdir: Path) -> None:
+    """``celery dedup check`` passes on every app of the page (``DOCS_CHECK_APPS``)."""
+    from celery_dedup.cli import check_lines, check_report
+
+    expected = os.environ["DOCS_CHECK_APPS"]
+    failing_on_purpose = set(json.loads(expected)) if expected.startswith("[") else set()
+    for app in page_apps(namespace, workdir):
+        main = str(getattr(app, "main", ""))
+        ok, report = check_report(app, timeout=20)
+        if ok is (main in failing_on_purpose):
+            lines = "\n".join(check_lines(ok, report))
+            raise SampleFailed(
+                f"{page}: celery dedup check on the app {main!r} "
+                f"{'passes, but the page shows it failing' if ok else 'fails'}:\n{lines}"
+            )
 
 
 if __name__ == "__main__":

@@ -180,3 +180,26 @@ def test_redis_listing_skips_other_keys_under_the_prefix(redis_server: RedisServ
     store.take_slot("celery-dedup-slots:t:k", "h", 2, 30)
     assert [s.key for s in store.list_slots("celery-dedup-slots:")] == ["celery-dedup-slots:t:k"]
     redis_server.flush(9)
+
+
+def test_rate_window_counts_publishes_not_task_ids(limited_store: object) -> None:
+    """5 publishes sharing one task id (``deterministic_id=True``) at 2 per minute: 2 admitted.
+
+    The window holds one entry per publish; its answers and listings still
+    name the task id.
+    """
+    assert isinstance(limited_store, RateSupport) and isinstance(limited_store, LimitListing)
+    store = limited_store
+    answers = [
+        store.hit_rate("celery-dedup-rate:t:same", "fixed-id", 2, 60, delay=False)
+        for _ in range(5)
+    ]
+    assert [a.admitted for a in answers] == [True, True, False, False, False]
+    assert all(a.last == "fixed-id" for a in answers)
+    assert all(a.count == 2 and 0 < a.wait <= 60 for a in answers[2:])
+    window = store.rate_window("celery-dedup-rate:t:same", 2, 60)
+    assert (window.count, window.last) == (2, "fixed-id")
+    delayed = store.hit_rate("celery-dedup-rate:t:same", "fixed-id", 2, 60, delay=True)
+    assert delayed.admitted and 55 < delayed.wait <= 60 and delayed.last == "fixed-id"
+    (listed,) = store.list_rates("celery-dedup-rate:t:same")
+    assert len(listed.ages) == 3 and listed.last == "fixed-id"

@@ -42,8 +42,8 @@ id                      setting
                         options (nothing reads them); checked once the
                         Celery app is finalized
 ``celery_dedup.E032``   ``CELERY_DEDUP_SILENCED_WARNINGS``
-``celery_dedup.W101``…  the settings lint (``celery_dedup.lint``): W101-
-``celery_dedup.W109``   W105, W108, W109 and the store-type cases of W107
+``celery_dedup.W101``…  the settings lint (``celery_dedup.lint``): W101,
+``celery_dedup.W109``   W102, W105, W108, W109 and the store-type cases of W107
                         once the Celery app is finalized; W106/I106 and
                         the Redis cases of W107/I107 ask the store's
                         server (``database`` tag, with E015)
@@ -59,6 +59,7 @@ from typing import Any, Final, cast
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Info, Warning
 
+from ...app_urls import broker_url, result_backend
 from ...exceptions import ImproperlyConfigured, InvalidOptionError
 from ...lint import Finding
 from ...native import Native
@@ -138,7 +139,7 @@ def _app() -> Any:
     from celery import current_app
 
     try:
-        current_app.conf.get("broker_url")
+        broker_url(current_app.conf)
     except Exception:  # a broken Celery config is reported by Celery itself
         return None
     # The app itself, not the proxy: the probe runs in a thread of its own,
@@ -162,7 +163,7 @@ def _check_store_derivable() -> Error | Warning | None:
             return None
     except Exception:  # an invalid dedup_store is reported by E001/E009
         return None
-    broker = str(app.conf.get("broker_url") or "").split(";")[0].strip()
+    broker = broker_url(app.conf)
     native = str(app.conf.get("dedup_native") or Native.AUTO.value)
     if split_url(broker)[0] == "sqs" and native == Native.AUTO.value:
         # Calls to .fifo queues need no store: not a reason to block migrate/runserver.
@@ -173,7 +174,7 @@ def _check_store_derivable() -> Error | Warning | None:
             hint="Route deduplicated tasks to .fifo queues only, or set CELERY_DEDUP_STORE.",
             id=W_NATIVE_ONLY,
         )
-    backend = app.conf.get("result_backend") or "none"
+    backend = result_backend(app.conf) or "none"
     return Error(
         "celery-dedup has no lock store: none can be derived from the result backend "
         f"({str(backend).partition('://')[0]}) or the broker, and CELERY_DEDUP_STORE is "

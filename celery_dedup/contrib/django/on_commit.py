@@ -53,7 +53,7 @@ _INDEX: Final = "_celery_dedup_on_commit"
 class _Pending:
     """One registered ``on_commit`` hook: the call that publishes for its key."""
 
-    __slots__ = ("args", "fingerprint", "key", "kwargs", "options", "result", "task")
+    __slots__ = ("args", "fingerprint", "key", "kwargs", "options", "ran", "result", "task")
 
     def __init__(
         self,
@@ -72,8 +72,13 @@ class _Pending:
         self.options = options
         #: what the commit's ``apply_async`` returned (the folded calls' events name it)
         self.result: Any = None
+        #: whether the hook ran: it takes no more calls, even while it is still
+        #: in the connection's list (``captureOnCommitCallbacks(execute=True)``
+        #: in a ``TestCase`` runs the hooks without ending the transaction)
+        self.ran = False
 
     def __call__(self) -> None:
+        self.ran = True
         self.result = self.task.apply_async(self.args, self.kwargs, **self.options)
 
 
@@ -111,6 +116,8 @@ def on_commit(
     mine = fingerprint(config.binder, args, kwargs, serializer)
     index = _index(connection)
     pending = index.get(key)
+    if pending is not None and pending.ran:
+        pending = None
     if pending is not None:
         if call.on_duplicate is not OnDuplicate.REPLACE:
             if call.deduplication_key is not None and differ(mine, pending.fingerprint):
