@@ -336,6 +336,15 @@ def _claim(
             claim = _claim_run(task, request, store, run, meta, release_now, ttl, args, kwargs)
     except StoreError as exc:
         return _claim_failed(task, request, header, owner, task_id, args, kwargs, exc, run)
+    except (Ignore, Retry):
+        raise
+    except Exception as exc:
+        # An answer that cannot be read (a store of one's own, a proxy that
+        # mangles a reply) is a store that did not answer: the fallback
+        # decides, never the task's fate.
+        logger.exception("celery-dedup: the start claim of %s[%s] failed", task.name, task_id)
+        unreadable = StoreUnavailable(f"an unreadable answer ({exc!r})", type(store).__name__)
+        return _claim_failed(task, request, header, owner, task_id, args, kwargs, unreadable, run)
     held = Held(store, header, key, owner, task_id, run=run, released=release_now)
     if claim.outcome is not ClaimOutcome.OWNED:
         try:
