@@ -534,9 +534,10 @@ def check_lines(ok: bool, report: dict[str, Any], ok_mark: str = "OK") -> Iterab
     if tasks:
         yield ""
         rows = [(t["name"], t["unique_until"], duration(t["unique_for"]) if not t["error"]
-                 else "?", t["identity"], t["on_duplicate"], t["error"] or "")
+                 else "?", t["identity"], t["on_duplicate"], t.get("limits") or "",
+                 t["error"] or "")
                 for t in tasks]
-        header = ("TASK", "UNIQUE_UNTIL", "TTL", "IDENTITY", "ON_DUPLICATE", "ERROR")
+        header = ("TASK", "UNIQUE_UNTIL", "TTL", "IDENTITY", "ON_DUPLICATE", "LIMITS", "ERROR")
         yield from render_table(rows, header)
     else:
         yield "No DedupTask is registered on this app."
