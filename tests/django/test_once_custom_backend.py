@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from celery import Celery
+from celery import Celery, _state
 from celery.contrib.testing.worker import start_worker
 
 from celery_dedup.compat.celery_once import QueueOnce
@@ -37,7 +37,15 @@ def _app(name: str, **conf: Any) -> Celery:
 
 @pytest.fixture
 def runs() -> Iterator[list[int]]:
+    """The bodies run, in order; the current and default app restored afterwards.
+
+    ``start_worker`` makes its app the current and default one; the rest of
+    the session (``manage.py`` commands, ``current_app``) expects the example's.
+    """
+    current, default = _state.get_current_app(), _state.default_app
     yield []
+    current.set_current()
+    _state.set_default_app(default)
 
 
 def _task(app: Celery, runs: list[int], done: threading.Event | None = None) -> Any:
