@@ -80,3 +80,45 @@ def test_no_install_line_needs_a_release() -> None:
             assert all(e in extras for n in named for e in n.split(",")), (page, line)
             from_checkout = "./celery-dedup" in line or "--find-links" in line
             assert from_checkout or "once it is" in before.lower(), (page.name, line)
+
+
+def _matrix_table() -> list[list[str]]:
+    """The rows of docs/development.md's support-matrix table (cells, stripped)."""
+    text = (ROOT / "docs/development.md").read_text()
+    section = text[text.index("## Support matrix"):]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    return [[cell.strip().strip("`") for cell in row.strip("|").split("|")] for row in rows]
+
+
+def test_matrix_table_states_the_bounds_of_setup_cfg() -> None:
+    """docs/development.md's table pins exactly what setup.cfg's bounds say: the oldest
+    session every lower bound, the newest every upper bound."""
+    classifiers = _setup()["metadata"]["classifiers"]
+    pythons = re.findall(r"Programming Language :: Python :: (3\.\d+)$", classifiers, re.M)
+    pythons.sort(key=lambda v: int(v.split(".")[1]))
+    bounds = {name: _bounds(name) for name in ("celery", "kombu", "django", "redis", "sqlalchemy")}
+    bounds["redis"] = ("5.0", bounds["redis"][1])  # pinned as the minor 5.0
+    names = ("celery", "kombu", "django", "redis", "sqlalchemy")
+    expected = [
+        ["oldest", pythons[0], *(f"{bounds[n][0]}.x" for n in names)],
+        ["newest", pythons[-1], *(f"{bounds[n][1]}.x" for n in names)],
+    ]
+    assert _matrix_table() == expected
+
+
+def test_noxfile_pins_the_table() -> None:
+    """noxfile.py's sessions pin what the table says (it reads setup.cfg itself)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("noxfile_under_test", ROOT / "noxfile.py")
+    assert spec and spec.loader
+    noxfile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(noxfile)
+    oldest, newest = _matrix_table()
+    names = ("celery", "kombu", "django", "redis", "sqlalchemy")
+    pins = {n: row[2 + i].removesuffix(".x") for i, n in enumerate(names) for row in [oldest]}
+    highs = {n: row[2 + i].removesuffix(".x") for i, n in enumerate(names) for row in [newest]}
+    order = noxfile.PINNED_OLDEST
+    assert noxfile.lowest_minors() == [f"{n}=={pins[n]}.*" for n in order]
+    assert noxfile.highest_minors() == [f"{n}=={highs[n]}.*" for n in order]
+    assert noxfile.python_range() == (oldest[1], newest[1])
