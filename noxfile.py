@@ -8,11 +8,16 @@ and memory, SQLite's "database is locked" taken as contention, a real worker
 on Redis, and the Django DB store (SQLite and PostgreSQL, through the
 project's own queries).
 
-- ``oldest``: Python 3.10 and the lowest minor release of every range in
-  ``setup.cfg`` for Celery, kombu, redis-py, Django and SQLAlchemy (its
-  latest patch release: ``django>=4.2`` runs Django 4.2.x).
-- ``newest``: the newest Python found here and the newest release inside
-  every range.
+- ``oldest``: the lowest Python of ``setup.cfg``'s classifiers (3.10) and
+  the lowest minor of every range in ``setup.cfg`` for Celery, kombu,
+  redis-py, Django and SQLAlchemy (its latest patch release:
+  ``django>=4.2`` runs Django 4.2.x).
+- ``newest``: the highest Python of the classifiers (3.13) and the highest
+  minor inside every range (``celery<5.8`` runs 5.7.x, ``redis<9`` 8.x,
+  Django its newest classifier, 5.2.x).
+
+Every lower and every upper bound ``setup.cfg`` states is so one session's
+pin; docs/development.md's table says which (a test holds them equal).
 
 Interpreters are looked up on ``PATH`` (``python3.10``), then under pyenv's
 versions directory; a missing one falls back to the interpreter running nox,
@@ -32,10 +37,7 @@ from pathlib import Path
 import nox
 
 ROOT = Path(__file__).parent
-OLDEST_PYTHON = "3.10"
-#: newest first; the first one found is the "newest" session's Python
-NEWEST_PYTHONS = ("3.14", "3.13", "3.12")
-#: packages whose lowest supported minor the "oldest" session pins
+#: packages whose lowest (``oldest``) and highest (``newest``) supported minor are pinned
 PINNED_OLDEST = ("celery", "kombu", "redis", "django", "sqlalchemy")
 
 CORE = (
@@ -104,24 +106,56 @@ def pick(versions: tuple[str, ...], role: str) -> str:
     return sys.executable
 
 
-def lowest_minors() -> list[str]:
-    """``name==X.Y.*`` for each of PINNED_OLDEST, from the lower bounds in setup.cfg."""
+def ranges() -> dict[str, tuple[str, str]]:
+    """``name → (lowest, highest)`` supported minor of PINNED, from setup.cfg.
+
+    The lowest is the ``>=`` bound; the highest is the last minor below the
+    ``<`` bound (``<5.8`` → ``5.7``, ``<9`` → ``8``), for Django the newest
+    ``Framework :: Django ::`` classifier (``<6`` → ``5.2``).
+    """
     cfg = configparser.ConfigParser()
     cfg.read(ROOT / "setup.cfg")
     text = cfg["options"]["install_requires"] + cfg["options.extras_require"]["test"]
-    pins: dict[str, str] = {}
+    found: dict[str, tuple[str, str]] = {}
     for line in text.splitlines():
         match = re.match(r"\s*([A-Za-z0-9_.-]+)(?:\[[^]]*\])?\s*([^#]*)", line)
         if not match:
             continue
         name, spec = match.group(1).lower(), match.group(2)
-        lower = re.search(r">=\s*(\d+)\.(\d+)", spec)
-        if name in PINNED_OLDEST and lower:
-            pins[name] = f"{name}=={lower.group(1)}.{lower.group(2)}.*"
-    missing = set(PINNED_OLDEST) - set(pins)
+        bounds = re.search(r">=\s*(\d+)\.(\d+)\s*,\s*<\s*(\d+)(?:\.(\d+))?", spec)
+        if name not in PINNED_OLDEST or not bounds:
+            continue
+        major, minor = int(bounds.group(3)), int(bounds.group(4) or 0)
+        high = f"{major}.{minor - 1}" if minor else str(major - 1)
+        if name == "django":
+            versions = re.findall(r"Framework :: Django :: (\d+\.\d+)",
+                                  cfg["metadata"]["classifiers"])
+            high = max(versions, key=lambda v: tuple(map(int, v.split("."))))
+        found[name] = (f"{bounds.group(1)}.{bounds.group(2)}", high)
+    missing = set(PINNED_OLDEST) - set(found)
     if missing:
-        raise RuntimeError(f"setup.cfg states no lower bound for {sorted(missing)}")
-    return [pins[name] for name in PINNED_OLDEST]
+        raise RuntimeError(f"setup.cfg states no >=,< range for {sorted(missing)}")
+    return {name: found[name] for name in PINNED_OLDEST}
+
+
+def python_range() -> tuple[str, str]:
+    """The lowest and the highest ``Programming Language :: Python :: 3.N`` classifier."""
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    found = re.findall(r"Programming Language :: Python :: (3\.\d+)$",
+                       cfg["metadata"]["classifiers"], re.M)
+    found.sort(key=lambda v: int(v.split(".")[1]))
+    return found[0], found[-1]
+
+
+def lowest_minors() -> list[str]:
+    """``name==X.Y.*`` for each of PINNED_OLDEST: the lower bounds in setup.cfg."""
+    return [f"{name}=={low}.*" for name, (low, _high) in ranges().items()]
+
+
+def highest_minors() -> list[str]:
+    """``name==X.Y.*`` for each of PINNED_OLDEST: the upper bounds in setup.cfg."""
+    return [f"{name}=={high}.*" for name, (_low, high) in ranges().items()]
 
 
 def run_subset(session: nox.Session) -> None:
@@ -143,7 +177,7 @@ def run_subset(session: nox.Session) -> None:
         session.error(f"the {' and '.join(failures)} subset failed")
 
 
-@nox.session(python=pick((OLDEST_PYTHON,), "oldest"))
+@nox.session(python=pick((python_range()[0],), "oldest"))
 def oldest(session: nox.Session) -> None:
     """Python 3.10 with the lowest minor of Celery, kombu, redis-py, Django, SQLAlchemy."""
     constraints = Path(session.create_tmp()) / "oldest.txt"
@@ -153,8 +187,11 @@ def oldest(session: nox.Session) -> None:
     run_subset(session)
 
 
-@nox.session(python=pick(NEWEST_PYTHONS, "newest"))
+@nox.session(python=pick((python_range()[1],), "newest"))
 def newest(session: nox.Session) -> None:
-    """The newest Python found here with the newest release inside every range."""
-    session.install(".[test]")
+    """The highest supported Python with the highest minor of every range."""
+    constraints = Path(session.create_tmp()) / "newest.txt"
+    constraints.write_text("\n".join(highest_minors()) + "\n")
+    session.log(f"pinned: {', '.join(highest_minors())}")
+    session.install("-c", str(constraints), ".[test]")
     run_subset(session)

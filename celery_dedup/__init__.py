@@ -11,6 +11,9 @@
 
 from __future__ import annotations
 
+# Fills in what an older Celery (5.3, 5.4) lacks, before anything uses it.
+from . import celery_versions as _celery_versions
+
 # Connects the startup checks (worker-start store probe, dedup options on
 # tasks that are not DedupTask) to Celery's signals.
 from . import startup as _startup  # noqa: F401
@@ -54,6 +57,8 @@ from .signals import (
 )
 from .stores.base import Lock, RevokeOutcome
 from .task import DedupTask
+
+_celery_versions.backport(DedupTask)
 
 __version__ = "0.3.0"
 

@@ -60,6 +60,7 @@ __all__ = [
     "list_lines",
     "lock_dict",
     "render_table",
+    "state_word",
     "when",
 ]
 
@@ -247,18 +248,32 @@ def lock_dict(lock: Lock, found: Assessment | None = None) -> dict[str, Any]:
     return data
 
 
-def list_lines(locks: Sequence[Lock]) -> Iterable[str]:
+def state_word(found: Assessment) -> str:
+    """What ``list`` shows of a lock's holder: ``running``, ``queued``, ``finished:SUCCESS``…
+
+    From the lock's start flag (set while a run holds it, cleared when the
+    run ends) and the result backend; ``unknown`` when neither can tell
+    (not running now, and no result backend to say whether it ran).
+    """
+    if found.phase == "finished":
+        return f"finished:{found.state}"
+    if found.phase == "running":
+        return "running"
+    return "unknown" if found.state == "UNKNOWN" else "queued"
+
+
+def list_lines(found: Sequence[Assessment]) -> Iterable[str]:
     """The text of ``list``: a table of the locks and a count line."""
-    if not locks:
+    if not found:
         yield "No live locks."
         return
     rows = [
-        (short(lock.key), lock.task_name, lock.task_id, lock.policy,
-         "yes" if lock.started else "no", duration(lock.ttl))
-        for lock in locks
+        (short(f.lock.key), f.lock.task_name, f.lock.task_id, f.lock.policy, state_word(f),
+         duration(f.lock.ttl))
+        for f in found
     ]
-    yield from render_table(rows, ("DIGEST", "TASK", "HOLDER", "POLICY", "STARTED", "EXPIRES IN"))
-    yield f"{_plural(len(locks), 'live lock')}."
+    yield from render_table(rows, ("DIGEST", "TASK", "HOLDER", "POLICY", "STATE", "EXPIRES IN"))
+    yield f"{_plural(len(found), 'live lock')}."
 
 
 def _show_lines(found: Assessment) -> Iterable[str]:
@@ -359,11 +374,13 @@ class Operator:
 
     def list(self, task: str | None = None, as_json: bool = False) -> None:
         """Print the live locks as a table (or JSON)."""
-        locks = self.scan(task)
+        # One result-backend read per lock: the start flag alone cannot tell a
+        # holder that ran (its flag cleared at the end) from one still queued.
+        found = [assess(self.app, lock) for lock in self.scan(task)]
         if as_json:
-            self.echo(dumps([lock_dict(lock) for lock in locks]))
+            self.echo(dumps([lock_dict(f.lock, f) for f in found]))
             return
-        for line in list_lines(locks):
+        for line in list_lines(found):
             self.echo(line)
         self._memory_note()
 
@@ -534,9 +551,10 @@ def check_lines(ok: bool, report: dict[str, Any], ok_mark: str = "OK") -> Iterab
     if tasks:
         yield ""
         rows = [(t["name"], t["unique_until"], duration(t["unique_for"]) if not t["error"]
-                 else "?", t["identity"], t["on_duplicate"], t["error"] or "")
+                 else "?", t["identity"], t["on_duplicate"], t.get("limits") or "",
+                 t["error"] or "")
                 for t in tasks]
-        header = ("TASK", "UNIQUE_UNTIL", "TTL", "IDENTITY", "ON_DUPLICATE", "ERROR")
+        header = ("TASK", "UNIQUE_UNTIL", "TTL", "IDENTITY", "ON_DUPLICATE", "LIMITS", "ERROR")
         yield from render_table(rows, header)
     else:
         yield "No DedupTask is registered on this app."
@@ -603,8 +621,9 @@ def dedup(ctx: click.Context) -> None:
 def list_(ctx: click.Context, /, task: str | None, as_json: bool, **kwargs: Any) -> None:
     """List the live locks.
 
-    Columns: key digest, task, holder task id, unique_until policy, whether
-    the holder started, time left.
+    Columns: key digest, task, holder task id, unique_until policy, the
+    holder's state (queued, running, finished:STATE; unknown without a
+    result backend), time left.
     """
     _run(ctx, lambda op: op.list(task, as_json))
 

@@ -2,14 +2,16 @@
 
 * ``task-deduplicated``: each suppressed call is reported under its own
   never-published uuid with ``parent_id`` set to the holder and
-  ``received`` set to the time of the call, from a dispatcher with a stable
-  hostname (``celery-dedup@<host>``). An event is never sent under the
+  ``received`` set to the time of the call. An event is never sent under the
   holder's uuid, which would overwrite the holder's state and worker in
   Flower. Flower shows it as state ``DEDUPLICATED``. Celery's event state
-  (and so Flower) registers a worker for every hostname a task event comes
-  from, so the event is followed by a ``worker-offline`` event for that
-  hostname: ``celery-dedup@<host>`` is listed as an offline worker at most,
-  never as an online one (Flower's ``--purge_offline_workers`` hides it).
+  (and so Flower) registers a worker for the hostname of every task event
+  other than ``task-sent``, and nothing a sender can send removes it (a
+  ``worker-offline`` only marks it offline, and sets Flower's
+  ``flower_worker_online`` gauge to 0, which offline-worker alerts watch).
+  So a call made by a task running in a worker is reported from that
+  worker's own hostname (no row of its own), and a call made anywhere else
+  from the stable ``celery-dedup@<host>``, with no ``worker-offline``.
 * ``task-ignored``: a task the worker skipped because another task holds its
   lock (``task_skipped``) is reported under its own uuid from the worker's
   hostname, so Flower shows it as ``IGNORED`` (the state the result backend
@@ -46,7 +48,7 @@ app's configuration turns Celery's task events on for Flower
 settings make Flower show tasks shows its deduplicated calls too, without a
 setting of its own. ``task-ignored`` is also sent by a worker started with
 ``-E``. Events are not on by default otherwise: each suppressed call would
-cost two broker publishes, for nothing when no monitor listens (on Redis the
+cost a broker publish, for nothing when no monitor listens (on Redis the
 events are then dropped). A worker started with ``-E`` whose configuration
 leaves them off says so in its log at start (``W_EVENTS_OFF``). Events are
 silently dropped on the ``sqla`` broker.
@@ -59,6 +61,7 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any, Final
 
+from celery._state import get_current_worker_task
 from celery.utils import uuid as gen_uuid
 from celery.utils.saferepr import saferepr
 
@@ -71,6 +74,7 @@ __all__ = ["CANCELLED_EVENT_TYPE", "DEFERRED_EVENT_TYPE", "EVENT_TYPE", "RATE_LI
            "REPLACED_EVENT_TYPE",
            "SKIPPED_EVENT_TYPE", "W_EVENTS_OFF", "default_send_events", "dispatcher_hostname",
            "send_deduplicated", "send_displaced", "send_rate_limited", "send_skipped",
+           "sender_hostname",
            "warn_if_events_off"]
 
 logger = logging.getLogger("celery_dedup")
@@ -102,7 +106,7 @@ W_EVENTS_OFF = (
     "not reported: Flower and other monitors will show no DEDUPLICATED rows. Set "
     "dedup_send_events=True (Django: CELERY_DEDUP_SEND_EVENTS = True), or "
     "worker_send_task_events=True, in the configuration the producers read (each "
-    "suppressed call then costs two broker publishes)."
+    "suppressed call then costs a broker publish)."
 )
 
 
@@ -140,9 +144,8 @@ def send_deduplicated(
 
     ``policy`` is what decided (see the module's docstring), ``result`` the
     text Flower shows (default ``"suppressed: duplicate of <holder>"``, with
-    the policy when it is not a plain duplicate's). Costs two small broker
-    publishes (the event, then ``worker-offline`` for the dispatcher's
-    hostname); failures are logged, never raised, since the call itself has
+    the policy when it is not a plain duplicate's). Costs one small broker
+    publish; failures are logged, never raised, since the call itself has
     already been decided.
     """
     if result is None:
@@ -178,7 +181,7 @@ def send_displaced(
     """Emit one ``task-replaced``/``task-cancelled`` event for a message a policy displaced.
 
     Under the displaced message's uuid, or a fresh one (child of ``new_id``)
-    when the new message has the same id. Two small broker publishes, as
+    when the new message has the same id. One small broker publish, as
     ``send_deduplicated``; failures are logged, never raised.
     """
     if event_type == CANCELLED_EVENT_TYPE:
@@ -209,8 +212,8 @@ def send_rate_limited(
 ) -> None:
     """Emit one ``task-rate-limited`` event for a call refused by its rate limit.
 
-    Under the refused call's own uuid (never published); two small broker
-    publishes, as ``send_deduplicated``; failures are logged, never raised.
+    Under the refused call's own uuid (never published); one small broker
+    publish, as ``send_deduplicated``; failures are logged, never raised.
     """
     _send_from_producer(
         app,
@@ -226,13 +229,22 @@ def send_rate_limited(
     )
 
 
+def sender_hostname() -> str:
+    """The hostname the producer's events are sent under.
+
+    The worker's own node name when the call is made by a task a worker is
+    running (Flower already lists that worker), else ``celery-dedup@<host>``.
+    """
+    task = get_current_worker_task()
+    hostname = getattr(getattr(task, "request", None), "hostname", None)
+    return hostname if isinstance(hostname, str) and hostname else dispatcher_hostname()
+
+
 def _send_from_producer(app: Celery, event_type: str, **fields: Any) -> None:
-    """Send one task event from the stable producer hostname, then withdraw its worker row."""
+    """Send one task event from the calling worker's hostname, else the stable one."""
     try:
-        with app.events.default_dispatcher(hostname=dispatcher_hostname()) as dispatcher:
+        with app.events.default_dispatcher(hostname=sender_hostname()) as dispatcher:
             dispatcher.send(event_type, **fields)
-            # Not a worker: withdraw the heartbeat the task event just implied.
-            dispatcher.send("worker-offline")
     except Exception:
         logger.warning("celery-dedup: could not send a %s event", event_type, exc_info=True)
 

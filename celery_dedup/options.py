@@ -28,6 +28,7 @@ from .identity import Identity
 from .key_reuse import OnKeyReuse
 from .native import Native
 from .policy import UniqueUntil
+from .registry import CALL_NAMES, SETTING_NAMES, TASK_NAMES
 
 __all__ = [
     "CALL_OPTIONS",
@@ -322,6 +323,10 @@ def pop_call_options(options: MutableMapping[str, Any], task_name: str = "") -> 
         for name, validate in CALL_OPTIONS.items():
             if name in options:
                 given[name] = validate(options.pop(name), name)
+    for name in [n for n in options if n in _TASK_ONLY]:
+        # Celery would publish it as a broker message property, and nothing reads it there.
+        options.pop(name)
+        _warn_task_only(name, task_name)
     for name in options:
         if name not in _CELERY_CALL_OPTIONS:
             _warn_if_misspelt(name, CALL_OPTIONS, task_name, "call option")
@@ -335,26 +340,17 @@ class DedupConfigWarning(UserWarning):
     """An option or setting name that looks like a misspelt celery-dedup one."""
 
 
-#: the task attributes ``DedupTask`` reads
-TASK_OPTIONS: Final = (
-    "unique_for",
-    "unique_until",
-    "identity",
-    "on_duplicate",
-    "unique_on",
-    "deduplication_key",
-    "deterministic_id",
-    "on_key_reuse",
-    "debounce_max_wait",
-    "cancel_wait",
-    "cancel_signal",
-)
+#: the task attributes ``DedupTask`` reads (``registry``: limits included)
+TASK_OPTIONS: Final = TASK_NAMES
 
 #: every ``dedup_*`` setting celery-dedup reads
-KNOWN_SETTINGS: Final = frozenset({*SETTINGS, "dedup_store_options"})
+KNOWN_SETTINGS: Final = frozenset(SETTING_NAMES)
 
 #: the prefixes that make an unknown name "dedup-like" even far from every known one
-_DEDUP_PREFIXES: Final = ("unique_", "uniq_", "dedup", "deduplication", "on_dup", "determin")
+_DEDUP_PREFIXES: Final = (
+    "unique_", "uniq_", "dedup", "deduplication", "on_dup", "determin", "concurrency_",
+    "rate_limit_per", "on_rate",
+)  # fmt: skip
 
 # apply_async options of Celery itself (never warned about)
 _CELERY_CALL_OPTIONS: Final = frozenset({
@@ -368,6 +364,23 @@ _CELERY_CALL_OPTIONS: Final = frozenset({
 })
 
 _warned: set[tuple[str, str]] = set()
+
+
+#: task options a call cannot set (``concurrency_limit``…)
+_TASK_ONLY: Final = frozenset(TASK_NAMES) - frozenset(CALL_NAMES)
+
+
+def _warn_task_only(name: str, task_name: str) -> None:
+    if (task_name, name) in _warned:
+        return
+    _warned.add((task_name, name))
+    where = f"{task_name}: " if task_name else ""
+    warnings.warn(
+        f"celery-dedup: {where}{name!r} is a task option, not a call option: it is ignored "
+        f"here; set it on the task (@app.task({name}=...) or a subclass)",
+        DedupConfigWarning,
+        stacklevel=4,
+    )
 
 
 def did_you_mean(name: str, known: Iterable[str]) -> str | None:

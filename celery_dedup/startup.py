@@ -45,8 +45,10 @@ from .app_urls import broker_url, result_backend
 from .events import warn_if_events_off
 from .exceptions import InvalidOptionError
 from .identity import lock_key
+from .limits import Limits, OnRateLimit, limits_of
 from .lint import Finding, TaskFacts, app_facts, lint_config, lint_server, task_facts
 from .options import DedupConfigWarning
+from .registry import TASK_NAMES
 from .runtime import runtime_for
 from .stores import derive_store_url
 from .stores.base import Durability, DurabilityReport
@@ -75,15 +77,8 @@ __all__ = [
 logger = logging.getLogger("celery_dedup")
 
 #: the names only a ``DedupTask`` reads (as task attributes or call options)
-DEDUP_OPTIONS: Final = (
-    "unique_for",
-    "unique_until",
-    "deduplication_key",
-    "identity",
-    "unique_on",
-    "on_duplicate",
-    "deterministic_id",
-)
+#: the task attributes a plain (non-``DedupTask``) task sets for nothing (``registry``)
+DEDUP_OPTIONS: Final = TASK_NAMES
 
 #: seconds the start probe waits for the store before calling it unreachable
 PROBE_TIMEOUT: Final = 10.0
@@ -152,6 +147,8 @@ class TaskPlan:
     on_duplicate: str
     #: an option error found while resolving (``None`` when valid)
     error: str | None = None
+    #: its per-key limits in words (``"concurrency 2 per '{account}'"``), ``""`` for none
+    limits: str = ""
 
 
 def _registered(app: Celery) -> dict[str, Any]:
@@ -266,6 +263,7 @@ def task_plans(app: Celery) -> list[TaskPlan]:
     for task in dedup_tasks(app):
         try:
             config = task.dedup_config()
+            limits = limits_in_words(limits_of(task))
         except Exception as exc:  # an invalid option is reported, not raised
             plans.append(TaskPlan(task.name, store, "?", 0.0, "?", "?", str(exc)))
             continue
@@ -276,8 +274,31 @@ def task_plans(app: Celery) -> list[TaskPlan]:
             unique_for=config.unique_for,
             identity=config.identity.value,
             on_duplicate=config.on_duplicate.value,
+            limits=limits,
         ))
     return plans
+
+
+def _key_words(spec: Any) -> str:
+    if spec is None:
+        return "per dedup key"
+    if isinstance(spec, str):
+        return f"per {spec!r}"
+    return f"per {getattr(spec, '__name__', 'callable')}()"
+
+
+def limits_in_words(limits: Limits | None) -> str:
+    """A task's ``concurrency_limit``/``rate_limit_per_key`` as ``check`` shows them."""
+    if limits is None:
+        return ""
+    words = []
+    if limits.concurrency is not None:
+        words.append(f"concurrency {limits.concurrency} {_key_words(limits.concurrency_key)}")
+    if limits.rate is not None:
+        period = {1.0: "s", 60.0: "m", 3600.0: "h", 86400.0: "d"}[limits.rate.period]
+        delay = ", delay" if limits.on_rate_limit is OnRateLimit.DELAY else ""
+        words.append(f"rate {limits.rate.limit}/{period} {_key_words(limits.rate_key)}{delay}")
+    return "; ".join(words)
 
 
 # -- the settings lint --------------------------------------------------------------

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from celery import Celery, signals, states
 from celery.bin.celery import celery
+from celery.contrib.testing.worker import start_worker
 from click.testing import CliRunner, Result
 
 from celery_dedup import lock_released
@@ -83,11 +84,11 @@ def test_list_shows_live_locks(app: Celery) -> None:
     result = dedup("list")
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
-    assert lines[0].split() == ["DIGEST", "TASK", "HOLDER", "POLICY", "STARTED", "EXPIRES", "IN"]
+    assert lines[0].split() == ["DIGEST", "TASK", "HOLDER", "POLICY", "STATE", "EXPIRES", "IN"]
     rows = {line.split()[2]: line.split() for line in lines[1:-1]}
     assert set(rows) == {first.id, second.id, slow.id}
     assert rows[first.id][:2] == [short(first.deduplication_key), SYNC]
-    assert rows[first.id][3:5] == ["success", "no"]
+    assert rows[first.id][3:5] == ["success", "queued"]
     assert rows[first.id][5:] in (["9m", "59s"], ["10m", "0s"])
     assert lines[-1] == "3 live locks."
 
@@ -102,6 +103,7 @@ def test_list_task_filter_and_json(app: Celery) -> None:
     assert row["key"] == mine.deduplication_key
     assert row["holder"] == mine.id and row["task"] == SYNC and row["policy"] == "success"
     assert row["started"] is False and 0 < row["seconds_left"] <= 600
+    assert row["phase"] == "not started" and row["holder_state"] == "PENDING"
     assert row["expires"].endswith("+00:00") and row["expires_at"] > row["acquired_at"]
 
 
@@ -208,6 +210,29 @@ def test_release_refuses_a_finished_idempotency_window(app: Celery) -> None:
     assert "its holder ended SUCCESS, and unique_until='expiry' keeps the lock" in refused.output
     assert "throttle or idempotency window" in refused.output
     assert app.tasks[SYNC].apply_async((99,), unique_until="expiry").deduplicated is True
+
+
+def test_list_shows_a_kept_lock_whose_run_ended_as_finished(app: Celery) -> None:
+    """A 24 h ``expiry`` lock whose charge ran on a real worker: ``finished:SUCCESS``, not queued.
+
+    The worker clears the lock's start flag when the run ends, so the flag
+    alone would call it "not started".
+    """
+    charge = app.tasks[SYNC].apply_async((99,), unique_until="expiry", unique_for=86400)
+    with start_worker(app, pool="threads", concurrency=1, perform_ping_check=False,
+                      shutdown_timeout=30, loglevel="WARNING"):
+        assert charge.get(timeout=30) == 99
+    store = runtime_for(app).store
+    assert store is not None
+    lock = store.get(charge.deduplication_key)
+    assert lock is not None and lock.started is False  # settled at the end of the run
+    result = dedup("list")
+    assert result.exit_code == 0, result.output
+    (row,) = [line.split() for line in result.output.splitlines() if charge.id in line]
+    assert row[3:5] == ["expiry", "finished:SUCCESS"]
+    (data,) = json.loads(dedup("list", "--json").output)
+    assert data["phase"] == "finished" and data["holder_state"] == "SUCCESS"
+    assert data["needed"] is True
 
 
 def test_release_a_lock_nobody_needs(app: Celery) -> None:

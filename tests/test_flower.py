@@ -164,18 +164,72 @@ def test_deferred_message_shows_deferred(
     assert events_counted(flower, "demo.limited", "task-deferred") >= 1
 
 
-def test_no_phantom_online_worker(app: Celery, worker: Any, flower: FlowerServer) -> None:
-    """The events' dispatcher is never an online worker; /api/workers lists only real ones."""
+def dashboard_workers(flower: FlowerServer) -> dict[str, dict[str, Any]]:
+    """The rows of Flower's *Workers* dashboard (what its page fetches), by name."""
+    rows = flower.get_json("/workers?json=1")["data"]
+    return {row["hostname"]: row for row in rows}
+
+
+def online_gauges(flower: FlowerServer) -> dict[str, float]:
+    """``flower_worker_online`` by worker: what offline-worker alerts watch."""
+    pattern = re.compile(r'^flower_worker_online\{worker="(?P<worker>[^"]*)"\} (?P<value>\S+)$')
+    matches = (pattern.match(line) for line in flower.get("/metrics").splitlines())
+    return {m["worker"]: float(m["value"]) for m in matches if m}
+
+
+def test_a_call_made_by_a_running_task_adds_no_worker_row(
+    app: Celery, flower: FlowerServer, request: pytest.FixtureRequest
+) -> None:
+    """A duplicate called by a task a worker runs is reported from that worker's hostname:
+    its DEDUPLICATED row is there, and no other worker row counts it."""
+    slow = app.tasks[SLOW]
+
+    @app.task(shared=False, name="demo.caller")
+    def caller(tag: str) -> str:
+        result = slow.delay(2.0, tag=tag)
+        assert isinstance(result, DeduplicatedResult)
+        return result.duplicate_id
+
+    request.getfixturevalue("worker")  # started once the task is registered
+    flower.wait_for(lambda: WORKER in dashboard_workers(flower), what="the worker's row")
+    counted = {name: row.get("task-deduplicated", 0)
+               for name, row in dashboard_workers(flower).items()}
+    holder = slow.delay(2.0, tag="inner")
+    duplicate_id = caller.delay("inner").get(timeout=30)
+    assert holder.get(timeout=30) == "done inner"
+
+    row = flower.wait_for(lambda: flower.task(duplicate_id), what="the DEDUPLICATED row")
+    assert row["state"] == "DEDUPLICATED"
+    assert row["parent_id"] == holder.id
+    assert row["worker"] == WORKER
+
+    def counted_by_the_worker() -> dict[str, dict[str, Any]] | None:
+        rows = dashboard_workers(flower)
+        return rows if rows[WORKER].get("task-deduplicated", 0) == counted.get(WORKER, 0) + 1 \
+            else None
+
+    rows = flower.wait_for(counted_by_the_worker, what="the worker's task-deduplicated count")
+    others = {name: row.get("task-deduplicated", 0) for name, row in rows.items()
+              if name != WORKER}
+    assert others == {name: counted.get(name, 0) for name in others}
+    assert not set(rows) - set(counted)  # no new row
+
+
+def test_the_dispatcher_is_never_reported_offline(
+    app: Celery, worker: Any, flower: FlowerServer
+) -> None:
+    """A call made outside a worker: its row is there, the dispatcher never gets a
+    flower_worker_online series (no offline alert), /api/workers lists only real ones."""
     slow = app.tasks[SLOW]
     holder = slow.delay(0.5, tag="phantom")
     duplicate = slow.delay(0.5, tag="phantom")
+    assert isinstance(duplicate, DeduplicatedResult)
     assert holder.get(timeout=30) == "done phantom"
-    flower.wait_for(lambda: flower.task(duplicate.duplicate_id), what="the DEDUPLICATED row")
-    status = flower.wait_for(
-        lambda: (s := flower.get_json("/api/workers?status=true")).get(WORKER) and s,
-        what="the real worker online",
-    )
-    assert status.get(dispatcher_hostname()) is False  # offline, never online
+    row = flower.wait_for(lambda: flower.task(duplicate.duplicate_id), what="the DEDUPLICATED row")
+    assert row["state"] == "DEDUPLICATED" and row["worker"] == dispatcher_hostname()
+    # Before, a worker-offline followed each event: the gauge went to 0.
+    assert dispatcher_hostname() not in online_gauges(flower)
+    assert dashboard_workers(flower)[WORKER]["status"] is True
     real = flower.get_json("/api/workers?refresh=1")
     assert set(real) == {WORKER}
 

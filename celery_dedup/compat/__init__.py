@@ -12,7 +12,9 @@ for the option mapping and every behaviour difference.
 from __future__ import annotations
 
 import logging
+import os
 import re
+import sys
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -30,8 +32,10 @@ if TYPE_CHECKING:
     from ..task import DedupTask
 
 __all__ = [
+    "adopt_matching_store",
     "adopt_setting",
     "class_path",
+    "django_cache_configured",
     "native_key",
     "require_store",
     "store_in_use",
@@ -74,6 +78,40 @@ def store_in_use(app: Celery) -> str:
     """The (sanitised) URL of the store ``app``'s shim tasks lock in, for messages."""
     url = derive_store_url(app)
     return maybe_sanitize_url(url) if url else "no lock store (shim tasks refuse to publish)"
+
+
+def django_cache_configured() -> bool:
+    """Whether this process runs Django with a default cache that can hold a lock.
+
+    Never imports Django itself: a project that has not loaded it is not a
+    Django project for this purpose. A ``DummyCache`` (which stores nothing)
+    does not count.
+    """
+    if "django" not in sys.modules:
+        return False
+    try:
+        from django.conf import settings
+
+        if not (settings.configured or os.environ.get("DJANGO_SETTINGS_MODULE")):
+            return False
+        default = (settings.CACHES or {}).get("default") or {}
+    except Exception:  # settings that cannot be loaded: not a usable cache
+        return False
+    return bool(default) and not str(default.get("BACKEND", "")).endswith("DummyCache")
+
+
+def adopt_matching_store(app: Celery, what: str) -> None:
+    """Pick the store for a lock backend celery-dedup has no equivalent of; warn naming it.
+
+    ``what`` names that backend (``"ONCE['backend']='proj.locks.DjangoBackend'"``).
+    Unless ``dedup_store`` is set: Django's default cache (``django-cache``)
+    when this is a Django project with a real cache, since a custom lock
+    backend there is almost always one over that cache; else the store the
+    app derives (its result backend, then its broker).
+    """
+    if app.conf.get("dedup_store") is None and django_cache_configured():
+        adopt_setting(app, "dedup_store", "django-cache")
+    warn_once(app, f"{what} has no celery-dedup equivalent; using {store_in_use(app)} instead")
 
 
 def warn_once(app: Celery, message: str) -> None:

@@ -12,7 +12,10 @@ The ``once`` option maps onto celery-dedup's:
 * ``unlock_before_run`` → ``unique_until="start"``; otherwise ``"finish"``.
 
 ``ONCE['settings']['url']`` (Redis backend) becomes ``dedup_store`` when that
-is unset; the File backend's ``location`` becomes a SQLite store file there.
+is unset; the File backend's ``location`` becomes a SQLite store file there;
+any other backend (a project's own, often over Django's cache) becomes
+``django-cache`` in a Django project with a cache, else the app's derived
+store, with a warning naming it.
 An override of ``get_key`` decides the lock, as in celery-once. Behaviour
 differences are listed in ``docs/migrating.md``.
 """
@@ -32,11 +35,11 @@ from ..options import ResolvedOptions, validate_unique_for
 from ..policy import UniqueUntil
 from ..task import DedupTask, TaskConfig
 from . import (
+    adopt_matching_store,
     adopt_setting,
     class_path,
     native_key,
     require_store,
-    store_in_use,
     store_key,
     warn_once,
 )
@@ -141,11 +144,7 @@ def adopt_once_settings(app: Celery) -> None:
         if app.conf.get("dedup_store") is None:
             adopt_setting(app, "dedup_store", file_store_url(settings.get("location")))
     else:
-        warn_once(
-            app,
-            f"ONCE['backend']={backend!r} has no celery-dedup equivalent; "
-            f"using {store_in_use(app)} instead",
-        )
+        adopt_matching_store(app, f"ONCE['backend']={backend!r}")
     if settings.get("blocking"):
         warn_once(app, "ONCE['settings']['blocking'] is ignored: taking a lock never waits")
 

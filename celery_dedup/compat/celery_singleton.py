@@ -41,11 +41,11 @@ from ..runtime import runtime_for
 from ..stores.base import LockStore
 from ..task import DedupTask, TaskConfig
 from . import (
+    adopt_matching_store,
     adopt_setting,
     class_path,
     native_key,
     require_store,
-    store_in_use,
     store_key,
     warn_once,
 )
@@ -105,11 +105,7 @@ def adopt_singleton_settings(app: Celery) -> None:
     adopt_setting(app, "dedup_key_prefix", conf.get("singleton_key_prefix"))
     backend = conf.get("singleton_backend_class")
     if backend is not None and class_path(backend) not in _REDIS_BACKENDS:
-        warn_once(
-            app,
-            f"singleton_backend_class={class_path(backend)!r} has no celery-dedup "
-            f"equivalent; using {store_in_use(app)} instead",
-        )
+        adopt_matching_store(app, f"singleton_backend_class={class_path(backend)!r}")
     if conf.get("singleton_backend_kwargs"):
         warn_once(app, "singleton_backend_kwargs is ignored; set dedup_store_options instead")
 

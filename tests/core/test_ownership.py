@@ -666,6 +666,7 @@ def test_apply_runs_while_a_copy_is_queued(
 CELERY_REQUEST = "celery.worker.request:Request"
 
 
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("request_class", [None, CELERY_REQUEST])
 def test_send_task_while_held_is_skipped_visibly(
     app_factory: AppFactory,
@@ -685,14 +686,29 @@ def test_send_task_while_held_is_skipped_visibly(
     holder = job.apply_async((1,), countdown=1.5)
     before = lock_of(holder, app)
     raw = app.send_task(job.name, (1,))
-    worker_for(app)
-    wait_until(lambda: state_of(app, raw.id) == states.IGNORED)
+    skipped = threading.Event()
+    at_skip: list[celery_dedup.Lock | None] = []
+
+    def on_skip(sender: Any = None, task_id: str = "", **_: Any) -> None:
+        if task_id == raw.id:
+            at_skip.append(lock_of(holder, app))  # before the holder can run and release
+            skipped.set()
+
+    # Waits on what the worker does, not on a clock: a loaded machine only
+    # makes them take longer (the timeouts are there to end a hung test).
+    task_skipped.connect(on_skip, weak=False)
+    try:
+        worker_for(app)
+        assert skipped.wait(60), "the worker never skipped the header-less copy"
+    finally:
+        task_skipped.disconnect(on_skip)
     assert (raw.id, "unannounced duplicate") in skips
-    after = lock_of(holder, app)
+    wait_until(lambda: state_of(app, raw.id) == states.IGNORED, timeout=60)
+    after = at_skip[0]
     assert before is not None and after is not None and after.owner == before.owner
-    assert holder.get(timeout=10) == 1
+    assert holder.get(timeout=60) == 1
     assert runs.count() == 1
-    wait_until(lambda: lock_of(holder, app) is None)
+    wait_until(lambda: lock_of(holder, app) is None, timeout=60)
 
 
 # -- hard time limits in the worker's main process --------------------------------

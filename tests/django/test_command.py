@@ -46,7 +46,7 @@ def test_list_table_json_and_task_filter(two_locks: tuple[Any, Any]) -> None:
     sync, digest = two_locks
     table = _run("list")
     assert table.splitlines()[0].split() == [
-        "DIGEST", "TASK", "HOLDER", "POLICY", "STARTED", "EXPIRES", "IN"
+        "DIGEST", "TASK", "HOLDER", "POLICY", "STATE", "EXPIRES", "IN"
     ]
     assert sync.id in table and digest.id in table
     assert "2 live locks." in table

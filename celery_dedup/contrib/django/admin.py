@@ -44,6 +44,7 @@ from ...exceptions import DedupError, ScanNotSupported, StoreUnavailable
 from ...limits import live_keys
 from ...runtime import runtime_for
 from ...stores.base import Lock, LockStore
+from .discovery import import_task_modules
 from .models import DedupLock
 
 __all__ = ["DedupLockAdmin", "LockRow"]
@@ -133,6 +134,19 @@ class DedupLockAdmin(admin.ModelAdmin):  # type: ignore[misc]
         app = self.celery_app or _current_celery_app()
         runtime = runtime_for(app)
         return runtime.store, runtime.settings.key_prefix + ":", app
+
+    def _import_tasks(self, request: HttpRequest, app: Any) -> None:
+        """Import the app's task modules, as a worker does, before listing its tasks.
+
+        Celery's Django layout imports them lazily: under ``runserver``
+        only those some view imported would be known to the lookup.
+        """
+        try:
+            import_task_modules(app)
+        except Exception as exc:  # a page saying why, never an HTTP 500
+            logger.warning("celery-dedup: cannot import the task modules", exc_info=True)
+            self.message_user(request, _("Cannot import the Celery app's task modules: "
+                                         "%(error)s") % {"error": exc}, messages.ERROR)
 
     def _rows(self, app: Any, locks: Sequence[Lock]) -> list[LockRow]:
         urls = self._result_urls(lock.task_id for lock in locks)
@@ -229,6 +243,7 @@ class DedupLockAdmin(admin.ModelAdmin):  # type: ignore[misc]
         if request.method == "POST":
             return self._run_action(request)
         store, prefix, app = self.get_store()
+        self._import_tasks(request, app)
         locks: list[Lock] = []
         if store is not None:
             try:
@@ -283,6 +298,7 @@ class DedupLockAdmin(admin.ModelAdmin):  # type: ignore[misc]
         if not self.has_view_permission(request):
             raise PermissionDenied
         store, prefix, app = self.get_store()
+        self._import_tasks(request, app)
         task = request.GET.get("task", "")
         listed: dict[str, list[dict[str, Any]]] = {"concurrency": [], "rate": []}
         if store is not None:

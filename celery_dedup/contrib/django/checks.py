@@ -31,6 +31,8 @@ id                      setting
 ``celery_dedup.E016``   the store cannot be built as a call would build it
                         (a ``DATABASES``/``CACHES`` alias that does not
                         exist, a ``DummyCache``, the app not installed)
+``celery_dedup.E017``   a ``DedupTask``'s options are invalid (every call
+                        of it would fail)
 ``celery_dedup.W001``   an unknown ``CELERY_DEDUP_*`` setting (a typo?)
 ``celery_dedup.W010``   the store is a Django cache without compare-and-set
                         (best effort owner checks)
@@ -39,8 +41,8 @@ id                      setting
                         ``CELERY_DEDUP_NATIVE`` is ``auto``: calls to
                         ``.fifo`` queues deduplicate natively, others fail
 ``celery_dedup.W020``   a task that is not a ``DedupTask`` sets dedup
-                        options (nothing reads them); checked once the
-                        Celery app is finalized
+                        options (nothing reads them)
+``celery_dedup.W021``   the Celery app's task modules cannot be imported
 ``celery_dedup.E032``   ``CELERY_DEDUP_SILENCED_WARNINGS``
 ``celery_dedup.W101``…  the settings lint (``celery_dedup.lint``): W101,
 ``celery_dedup.W109``   W102, W105, W108, W109 and the store-type cases of W107
@@ -100,7 +102,9 @@ E_STORE_OPTIONS: Final = "celery_dedup.E010"
 E_NO_STORE: Final = "celery_dedup.E014"
 E_STORE_UNUSABLE: Final = "celery_dedup.E015"
 E_STORE_UNBUILDABLE: Final = "celery_dedup.E016"
+E_TASK_OPTIONS: Final = "celery_dedup.E017"
 W_PLAIN_TASK: Final = "celery_dedup.W020"
+W_TASKS_UNIMPORTABLE: Final = "celery_dedup.W021"
 W_UNKNOWN_SETTING: Final = "celery_dedup.W001"
 W_BEST_EFFORT_CACHE: Final = "celery_dedup.W010"
 W_LOCMEM_CACHE: Final = "celery_dedup.W011"
@@ -389,17 +393,43 @@ def as_check(finding: Finding) -> CheckMessage:
 
 
 def check_tasks(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    """Tasks that are not ``DedupTask`` but set dedup options nothing reads.
+    """What ``dedup_locks check`` finds in the tasks, as system checks.
 
-    Looks only at an app already finalized (a worker's, or after ``celery
-    dedup check``): a system check must not import task modules or finalize
-    the app, since Celery's Django fixup runs the system checks while it
-    imports the task modules. ``DedupConfigWarning`` covers the other cases
-    when the app is finalized.
+    Imports the Celery app's task modules first (as a worker does at start:
+    Celery's Django layout imports them lazily), then reports each
+    ``DedupTask`` whose options are invalid (E017), each task that is not a
+    ``DedupTask`` but sets dedup options nothing reads (W020), and the
+    settings lint (W101…). Celery's Django fixup runs the system checks
+    while it imports those modules; that nested run reports nothing (the
+    outer one does). A task module that fails to import is W021.
     """
     app = _app()
-    if app is None or not app.finalized:
+    if app is None:
         return []
+    from .discovery import import_task_modules
+
+    if not app.finalized and not getattr(app, "autofinalize", True):
+        return []  # the project finalizes it itself, when it is ready
+    try:
+        if not import_task_modules(app):
+            return []
+    except Exception as exc:  # the worker fails the same way; say so, do not crash check
+        return [Warning(
+            f"celery-dedup could not import the Celery app's task modules to check "
+            f"them: {exc!r}",
+            hint="A worker fails to start the same way; fix the import.",
+            id=W_TASKS_UNIMPORTABLE,
+        )]
+    try:
+        _finalize(app)
+    except Exception as exc:  # an option a task's registration refused
+        return [Error(
+            f"the Celery app's tasks cannot be registered: {exc}",
+            hint="A worker fails to start with this error, and every call of the task "
+            "fails with it; fix the option.",
+            id=E_TASK_OPTIONS,
+            obj=getattr(exc, "task_name", None),
+        )]
     from ...lint import app_facts, lint_config
     from ...startup import lint_tasks, plain_tasks_with_options
 
@@ -407,9 +437,18 @@ def check_tasks(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
         facts = app_facts(app)
     except InvalidOptionError:  # E032 says so
         facts = None
+    invalid = [
+        Error(
+            f"task {plan.name}: {plan.error}",
+            hint="Every call of this task would fail with this error; fix the option.",
+            id=E_TASK_OPTIONS,
+            obj=plan.name,
+        )
+        for plan in _plans(app) if plan.error
+    ]
     lint = [] if facts is None else [
         as_check(found) for found in lint_config(facts, lint_tasks(app))]
-    return lint + [
+    return invalid + lint + [
         Warning(
             f"task {name} sets {', '.join(options)} but is not a DedupTask: nothing "
             "deduplicates it and the options are ignored",
@@ -420,3 +459,31 @@ def check_tasks(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
         )
         for name, options in plain_tasks_with_options(app).items()
     ]
+
+
+def _plans(app: Any) -> list[Any]:
+    """``task_plans``; none when the store URL itself is invalid (E001/E009 say so)."""
+    from ...startup import task_plans
+
+    try:
+        return list(task_plans(app))
+    except Exception:
+        return []
+
+
+def _finalize(app: Any) -> None:
+    """``app.finalize()``; on an error the app is left unfinalized, as before.
+
+    Celery marks the app finalized before it registers the tasks: a task
+    whose registration raises would otherwise leave the others unregistered
+    for good, in a process (a worker starting: Celery's Django fixup
+    ignores what the checks return) that would then run without them
+    instead of failing at its own finalize.
+    """
+    if app.finalized:
+        return
+    try:
+        app.finalize()
+    except Exception:
+        app.finalized = False
+        raise

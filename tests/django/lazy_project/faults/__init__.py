@@ -1,0 +1,1 @@
+"""An app whose tasks ``dedup_locks check`` fails on."""

@@ -1,0 +1,1 @@
+"""An app whose tasks only Celery's autodiscovery imports."""
