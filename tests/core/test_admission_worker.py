@@ -1,9 +1,9 @@
 """The admission matrix where a worker is involved: one shared real worker (issue 31).
 
-Every ``on_duplicate`` × limit (none, ``rate_limit_per_key``,
-``concurrency_limit``, each with a template and a callable key) × task
+Every ``on_duplicate`` x limit (none, ``rate_limit_per_key``,
+``concurrency_limit``, each with a template and a callable key) x task
 class (``DedupTask``, and a Flask-style base whose ``__call__`` runs
-``self.run`` without ``super()``) × the paths that only exist with a
+``self.run`` without ``super()``) x the paths that only exist with a
 worker:
 
 * ``chain``: a chain of three steps; the second and third are published by
