@@ -83,7 +83,9 @@ def _app(app_factory: AppFactory, conf: dict[str, Any]) -> Celery:
 
 
 def _task(app: Celery, policy: str, limit: str, ids: str) -> Any:
-    options: dict[str, Any] = {"on_duplicate": policy, "unique_for": 600, "cancel_wait": 2}
+    options: dict[str, Any] = {"on_duplicate": policy, "unique_for": 600}
+    if policy == "cancel_running":
+        options["cancel_wait"] = 2
     if limit == "concurrency":
         options["concurrency_limit"] = 1
         options["concurrency_key"] = "{user}"

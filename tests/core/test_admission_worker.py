@@ -157,12 +157,9 @@ class Lab:
         self.collect, self.launch = collect, launch
 
     def _job(self, base: str, policy: str, limit: str) -> Any:
-        options: dict[str, Any] = {
-            "on_duplicate": policy,
-            "unique_for": 60,
-            "cancel_wait": 5,
-            "bind": True,
-        }
+        options: dict[str, Any] = {"on_duplicate": policy, "unique_for": 60, "bind": True}
+        if policy == "cancel_running":
+            options["cancel_wait"] = 5
         if limit.startswith("rate"):
             options["rate_limit_per_key"] = "1/s"
             options["rate_key"] = _user_of if limit.endswith("callable") else "{user}"
