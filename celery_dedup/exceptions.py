@@ -140,6 +140,59 @@ class InvalidOptionError(DedupError, ValueError):
         )
 
 
+E_OPTION_NEEDS = "{option}={value!r} needs {needs}; {actual}"
+
+
+class OptionCombinationError(InvalidOptionError):
+    """An option was given without the option it only works with.
+
+    ``option`` (with ``value``) needs ``requires`` set (``required_value``:
+    set to that value); ``actual`` is what ``requires`` resolved to. Raised
+    where the task is defined, at its first use (an app setting decided),
+    or at the call that combined them.
+    """
+
+    def __init__(
+        self,
+        option: str,
+        value: Any,
+        requires: str,
+        required_value: str = "",
+        actual: Any = None,
+        task_name: str | None = None,
+    ) -> None:
+        self.requires = requires
+        self.required_value = required_value
+        self.actual = actual
+        super().__init__(option, value, self._needs(), task_name)
+
+    def _needs(self) -> str:
+        if self.required_value:
+            return f"{self.requires}={self.required_value!r}"
+        return f"{self.requires} set"
+
+    def name_task(self, task_name: str | None) -> None:
+        """Say which task the options belong to (message, ``task_name`` and ``args``)."""
+        self.task_name = task_name
+        actual = (
+            f"{self.requires} is not set"
+            if self.actual is None
+            else f"{self.requires} is {self.actual!r}"
+        )
+        message = E_OPTION_NEEDS.format(
+            option=self.option, value=self.value, needs=self._needs(), actual=actual
+        )
+        self._keep(
+            f"{task_name}: {message}" if task_name else message,
+            self.option,
+            self.value,
+            self.requires,
+            self.required_value,
+            self.actual,
+            task_name,
+        )
+
+
 class DedupKeyError(DedupError, TypeError):
     """An argument cannot be canonicalised into a deduplication key."""
 

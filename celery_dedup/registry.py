@@ -17,6 +17,7 @@ from typing import Final
 __all__ = [
     "CALL_NAMES",
     "OPTIONS",
+    "REQUIRES",
     "SETTINGS",
     "SETTING_NAMES",
     "TASK_NAMES",
@@ -25,6 +26,7 @@ __all__ = [
     "fill_tables",
     "render_django_table",
     "render_option_table",
+    "render_requires_table",
     "render_setting_table",
 ]
 
@@ -45,6 +47,8 @@ class Option:
     #: how the call column reads when the call takes something else than the task
     call_note: str = ""
     task_note: str = ""
+    #: the option this one only works with, and the value it must have ("": any, set)
+    requires: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -80,13 +84,16 @@ OPTIONS: Final[tuple[Option, ...]] = (
            "what a duplicate call does"),
     Option("debounce_max_wait", True, True, "seconds > 0 or `None`",
            '`"replace"` only: a run starts at most this long after its burst\'s first call '
-           "([cap](cancel_and_debounce.md#debounce_max_wait-a-debounce-that-still-runs))"),
+           "([cap](cancel_and_debounce.md#debounce_max_wait-a-debounce-that-still-runs))",
+           requires=("on_duplicate", "replace")),
     Option("cancel_wait", True, True, "seconds from 0 to 3600",
            '`"cancel_running"` only: how long a call waits for the cancelled holder to free '
-           "the key; default `dedup_cancel_wait`"),
+           "the key; default `dedup_cancel_wait`",
+           requires=("on_duplicate", "cancel_running")),
     Option("cancel_signal", True, True, 'a signal name (`"SIGUSR1"`, `"SIGTERM"`…)',
            '`"cancel_running"` only: the signal terminating a running holder; default '
-           "`dedup_cancel_signal`"),
+           "`dedup_cancel_signal`",
+           requires=("on_duplicate", "cancel_running")),
     Option("deduplication_key", True, True,
            "a non-empty `str`; the task attribute is a function called with the call's "
            '`*args, **kwargs` returning a `str` (or `None` for "use the identity strategy")',
@@ -107,22 +114,26 @@ OPTIONS: Final[tuple[Option, ...]] = (
            "worker; a message over it is deferred. See [Per-key limits](limits.md)"),
     Option("concurrency_key", False, True,
            'a template over the arguments (`"{user}"`), a callable, or `None`',
-           "the key `concurrency_limit` counts per; `None`: the deduplication key"),
+           "the key `concurrency_limit` counts per; `None`: the deduplication key",
+           requires=("concurrency_limit", "")),
     Option("concurrency_backoff", False, True, "seconds > 0 or `None`",
            "the countdown of a message deferred by `concurrency_limit`; `None`: a third of "
-           "`dedup_lease_ttl`, jittered"),
+           "`dedup_lease_ttl`, jittered",
+           requires=("concurrency_limit", "")),
     Option("rate_limit_per_key", False, True,
            '`"N/s"`, `"N/m"`, `"N/h"`, `"N/d"` (N >= 1) or `None`',
            "at most N publishes of one `rate_key` per sliding period. See "
            "[Per-key limits](limits.md)"),
     Option("rate_key", False, True,
            'a template over the arguments (`"{user}"`), a callable, or `None`',
-           "the key `rate_limit_per_key` counts per; `None`: the deduplication key"),
+           "the key `rate_limit_per_key` counts per; `None`: the deduplication key",
+           requires=("rate_limit_per_key", "")),
     Option("on_rate_limit", False, True,
            '`"raise"`, `"delay"`, `"last_publish"`, `"duplicate"` (`OnRateLimit`)',
            "a call over `rate_limit_per_key`: raises `RateLimited` (default; "
            '`"duplicate"` is its 0.3 name), is published with a countdown to its place '
-           "in the window, or returns the last admitted publish's handle"),
+           "in the window, or returns the last admitted publish's handle",
+           requires=("rate_limit_per_key", "")),
 )
 
 SETTINGS: Final[tuple[Setting, ...]] = (
@@ -196,6 +207,8 @@ CALL_NAMES: Final = tuple(option.name for option in OPTIONS if option.call)
 TASK_NAMES: Final = tuple(option.name for option in OPTIONS if option.task)
 #: every ``dedup_*`` setting celery-dedup reads
 SETTING_NAMES: Final = tuple(setting.name for setting in SETTINGS)
+#: option → (the option it only works with, the value that one must have; "": set)
+REQUIRES: Final = {option.name: option.requires for option in OPTIONS if option.requires}
 
 
 def _mark(accepted: bool, note: str) -> str:
@@ -210,6 +223,18 @@ def render_option_table() -> str:
             f"| `{option.name}` | {_mark(option.call, option.call_note)} "
             f"| {_mark(option.task, option.task_note)} | {option.values} | {option.doc} |"
         )
+    return "\n".join(lines)
+
+
+def render_requires_table() -> str:
+    """The Markdown table of the options that only work with another one."""
+    lines = ["| option | only with | otherwise |", "|---|---|---|"]
+    for option in OPTIONS:
+        if option.requires is None:
+            continue
+        needed, value = option.requires
+        needs = f'`{needed}="{value}"`' if value else f"`{needed}`"
+        lines.append(f"| `{option.name}` | {needs} | `OptionCombinationError` |")
     return "\n".join(lines)
 
 
@@ -238,6 +263,7 @@ _TABLES: Final = {
     "options": render_option_table,
     "settings": render_setting_table,
     "django": render_django_table,
+    "requires": render_requires_table,
 }
 
 

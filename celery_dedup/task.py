@@ -14,7 +14,7 @@ from celery import Celery, Task
 from celery.app.routes import Router
 from celery.utils import uuid
 
-from . import admission, envelope, native, rates, worker
+from . import admission, combinations, envelope, native, rates, worker
 from .admission import Admission
 from .exceptions import (
     InvalidOptionError,
@@ -235,6 +235,13 @@ class DedupTask(_Task):
             for name, validate in _ATTRIBUTES.items():
                 if name in cls.__dict__ and name not in cls.dedup_not_options:
                     validate(cls.__dict__[name], name)
+        if "run" in cls.__dict__:  # a task (a base's defaults may serve tasks without them)
+            combinations.check_task(
+                cls.__dict__,
+                lambda name: getattr(cls, name, None),
+                task_name,
+                cls.dedup_not_options,
+            )
         if cls.__dict__.get("unique_on") is not None and "run" in cls.__dict__:
             # Unknown parameter names fail at definition, not at the first call.
             ArgumentBinder(cls.run, task_name, _validate_unique_on(cls.unique_on, "unique_on"))
@@ -276,12 +283,19 @@ class DedupTask(_Task):
             return None if name in self.dedup_not_options else getattr(self, name)
 
         unique_for = validate_unique_for(attr("unique_for"))
+        on_duplicate = _choice(OnDuplicate, attr("on_duplicate"), settings.default_on_duplicate)
+        own = {
+            name: value
+            for name, value in type(self).__dict__.items()
+            if name not in self.dedup_not_options
+        }
+        combinations.check_resolved(own, on_duplicate, self.name)
         return TaskConfig(
             runtime=runtime,
             unique_for=unique_for if unique_for is not None else settings.default_ttl,
             unique_until=_choice(UniqueUntil, attr("unique_until"), settings.default_unique_until),
             identity=_choice(Identity, attr("identity"), settings.default_identity),
-            on_duplicate=_choice(OnDuplicate, attr("on_duplicate"), settings.default_on_duplicate),
+            on_duplicate=on_duplicate,
             deterministic_id=bool(attr("deterministic_id")),
             key_callable=attr("deduplication_key"),
             binder=ArgumentBinder(self.run, self.name, _validate_unique_on(attr("unique_on"), "")),
@@ -454,6 +468,8 @@ class DedupTask(_Task):
         if given.get("unique_for", ...) is None:
             return mark_result(publish(task_id or uuid(), NO_LOCK), None)
         call = config.resolve(given)
+        if given:
+            combinations.check_call(given, call.on_duplicate, self.name)
         # Routers and keys see the arguments as Celery sends them (pydantic models dumped).
         sent_args, sent_kwargs = self._as_sent(args, kwargs, options)
         queue_name, router = self._route(options, sent_args, sent_kwargs, config)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from celery_dedup.registry import fill_tables
 
-PAGES = ("docs/usage.md", "docs/api.md", "docs/django.md")
+PAGES = ("docs/usage.md", "docs/api.md", "docs/django.md", "docs/limits.md")
 
 
 def main() -> None:

@@ -54,6 +54,7 @@ def test_choice_options_list_every_value(name: str, enum: type[Enum]) -> None:
 
 @pytest.mark.parametrize(("page", "markers"), [
     ("usage.md", ("options", "settings")), ("api.md", ("options",)), ("django.md", ("django",)),
+    ("limits.md", ("requires",)),
 ])  # fmt: skip
 def test_docs_tables_are_the_registry(page: str, markers: tuple[str, ...]) -> None:
     """The docs' reference tables are rendered from the registry (scripts/option_tables.py)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from ..options import OnDuplicate
 from ..stores.base import Lock
 from .state import Admission, Refusal
 
@@ -23,7 +24,10 @@ if TYPE_CHECKING:
     from ..options import ResolvedOptions
     from ..task import DedupTask
 
-__all__ = ["in_canvas", "is_canvas", "keeps_duplicate", "lets_in", "must_not_raise", "protected"]
+__all__ = [
+    "in_canvas", "is_canvas", "keeps_duplicate", "lets_in", "must_not_raise", "protected",
+    "takes_over",
+]
 
 
 def is_canvas(options: Mapping[str, Any]) -> bool:
@@ -39,6 +43,17 @@ def in_canvas(options: Mapping[str, Any]) -> bool:
 def is_member(options: Mapping[str, Any]) -> bool:
     """A group or chord member (or a chord body): Celery counts on its frozen id."""
     return bool(options.get("group_id") or options.get("chord"))
+
+
+def takes_over(policy: OnDuplicate, options: Mapping[str, Any]) -> bool:
+    """Whether ``policy`` takes a held key over for this call.
+
+    Members of one group or chord never displace each other (``replace``,
+    ``keep_last``); ``cancel_running`` never cancels from inside a canvas.
+    """
+    if policy in (OnDuplicate.REPLACE, OnDuplicate.KEEP_LAST):
+        return not is_member(options)
+    return policy is OnDuplicate.CANCEL_RUNNING and not in_canvas(options)
 
 
 def must_not_raise(task: DedupTask, options: Mapping[str, Any]) -> bool:

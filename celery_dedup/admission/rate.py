@@ -7,10 +7,9 @@ from dataclasses import dataclass
 from .. import rates
 from ..exceptions import StoreContention, StoreError
 from ..limits import Rate
-from ..options import OnDuplicate
 from ..stores.base import RateAnswer, RateSupport
 from . import duplicate
-from .canvas import is_canvas
+from .canvas import is_canvas, takes_over
 from .fallback import fall_back
 from .lock import owner_token
 from .state import Admission, Refusal
@@ -91,12 +90,13 @@ def _duplicate_of(adm: Admission) -> object | None:
     The window is full, but this call is the same work as the live
     holder's: its handle (or ``DuplicateTaskError``) is the true answer. A
     call that would take the key over (``replace``, ``keep_last``,
-    ``cancel_running``) is a new publish: it stays refused. One more round
-    trip, on refusals only.
+    ``cancel_running``) is a new publish: it stays refused; inside a canvas,
+    where those policies never take a key over (``canvas.takes_over``), it
+    is a duplicate like any other. One more round trip, on refusals only.
     """
     if adm.key is None or adm.store is None:
         return None
-    if adm.call.on_duplicate not in (OnDuplicate.EXISTING, OnDuplicate.RAISE):
+    if takes_over(adm.call.on_duplicate, adm.options):
         return None
     try:
         holder = adm.store.get(adm.key)

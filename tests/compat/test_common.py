@@ -31,6 +31,9 @@ from tests.compat.conftest import AppFactory, worker
 SAMPLES: dict[type[BaseException], Callable[[], BaseException]] = {
     core.DedupError: lambda: core.DedupError("no lock store"),
     core.InvalidOptionError: lambda: core.InvalidOptionError("unique_for", -1, "seconds > 0"),
+    core.OptionCombinationError: lambda: core.OptionCombinationError(
+        "cancel_wait", 5, "on_duplicate", "cancel_running", "existing", "tasks.sync"
+    ),
     core.DedupKeyError: lambda: core.DedupKeyError("a set", argument="tags", task_name="t.sync"),
     core.MissingDeduplicationKey: lambda: core.MissingDeduplicationKey(task_name="t.sync"),
     core.DuplicateTaskError: lambda: core.DuplicateTaskError(

@@ -7,6 +7,28 @@ rules protect, published with a countdown); a call whose publish fails
 leaves nothing behind. Every case counts the messages on the broker and
 reads the store: no lock, window entry or revoked marker of a refused or
 failed call, rate counts exact, no member lost, no worker-side publish raising.
+
+Store answers: ok and duplicate (every test), refused (a full rate window),
+error (a store on a closed port: it raises ``StoreUnavailable``, the
+fallback decides) and broker down (the publish itself fails: a broker on a
+closed port, the key's holder published by a second app on the live one).
+The paths that exist only in a worker (a chain step, a retry, a publish
+from a body, the concurrency limit, ``send_task``'s guard, a ``__call__``
+override) run on a real worker in ``test_admission_worker.py``; Django's
+``delay_on_commit`` in ``tests/django/test_admission_on_commit.py``.
+
+Pruned, because they are provably the same code path:
+
+* ``concurrency_limit`` runs only with random ids: no producer step reads
+  it (the limit is the worker's), so the id cannot change what the
+  producer does; the column proves it adds no step and loses nothing.
+* the store-error and broker-down columns run with random ids and on the
+  ``delay``, group member and worker-side paths: the id is fixed before
+  any store round trip, and a signature or chord member goes through
+  the same ``apply_async`` as ``delay`` or a group member (``canvas``
+  reads ``group_id``/``chord`` alike: ``is_member``).
+* callable limit keys run where a rate is counted (``rate_callable``), not
+  under the error columns: the key is computed before the store is asked.
 """
 
 from __future__ import annotations
@@ -16,21 +38,31 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from celery import Celery
+from celery import Celery, chain
 from celery._state import _task_stack
+from kombu.exceptions import OperationalError
 
-from celery_dedup import DedupTask, DuplicateTaskError, RateLimited, inspect_lock
+from celery_dedup import (
+    DeduplicationUnavailable,
+    DedupTask,
+    DuplicateTaskError,
+    RateLimited,
+    inspect_lock,
+)
 from celery_dedup.limits import rate_store_key
 from celery_dedup.runtime import runtime_for
 from celery_dedup.stores.base import RateSupport, revoked_marker_key
+from tests.fixtures._servers import free_port
 
 from .conftest import AppFactory
 
 POLICIES = ("existing", "raise", "replace", "keep_last", "cancel_running")
-LIMITS = ("none", "rate", "rate_callable")
-PATHS = ("delay", "signature", "group_member", "chord_member", "worker_side")
+LIMITS = ("none", "rate", "rate_callable", "concurrency")
+PATHS = ("delay", "signature", "chain_first", "group_member", "chord_member", "worker_side")
 IDS = ("random", "deterministic", "caller")
 _names = itertools.count()
+#: bodies run by eager calls: (task name, n)
+eager_runs: list[tuple[str, int]] = []
 
 
 def _user(user: str, n: int) -> str:
@@ -51,16 +83,22 @@ def _app(app_factory: AppFactory, conf: dict[str, Any]) -> Celery:
 
 
 def _task(app: Celery, policy: str, limit: str, ids: str) -> Any:
-    options: dict[str, Any] = {"on_duplicate": policy, "unique_for": 600, "cancel_wait": 2}
-    if limit != "none":
+    options: dict[str, Any] = {"on_duplicate": policy, "unique_for": 600}
+    if policy == "cancel_running":
+        options["cancel_wait"] = 2
+    if limit == "concurrency":
+        options["concurrency_limit"] = 1
+        options["concurrency_key"] = "{user}"
+    elif limit != "none":
         options["rate_limit_per_key"] = "1/h"
-        # (a staticmethod: the callable-key wrapping is fixed separately)
-        options["rate_key"] = staticmethod(_user) if limit == "rate_callable" else "{user}"
+        options["rate_key"] = _user if limit == "rate_callable" else "{user}"
     if ids == "deterministic":
         options["deterministic_id"] = True
+    name = f"adm.job{next(_names)}"
 
-    @app.task(base=DedupTask, shared=False, name=f"adm.job{next(_names)}", **options)
+    @app.task(base=DedupTask, shared=False, name=name, **options)
     def job(user: str, n: int) -> int:
+        eager_runs.append((name, n))
         return n
 
     return job
@@ -93,6 +131,9 @@ def _call(app: Celery, job: Any, path: str, ids: str, n: int) -> Any:
         return job.delay("u", n)
     if path == "signature":
         return job.s("u", n).set(**options).apply_async()
+    if path == "chain_first":
+        # A caller's task_id names the chain's last step (Celery's rule).
+        return chain(job.si("u", n), job.si("u", n + 100)).apply_async(**options)
     if path == "group_member":
         return job.apply_async(("u", n), group_id=f"g-{job.name}", group_index=n, **options)
     if path == "chord_member":
@@ -121,8 +162,20 @@ def _protected(path: str) -> bool:
     return path in ("group_member", "chord_member", "worker_side")
 
 
+def _rated(limit: str) -> bool:
+    return limit in ("rate", "rate_callable")
+
+
+def _key(job: Any, n: int) -> str:
+    key = job.dedup_key(("u", n), {}, job.dedup_config().default_call)
+    assert key is not None
+    return str(key)
+
+
 def _cases() -> Iterator[Any]:
     for policy, limit, path, ids in itertools.product(POLICIES, LIMITS, PATHS, IDS):
+        if limit == "concurrency" and ids != "random":
+            continue  # no producer step reads the concurrency limit (module docstring)
         yield pytest.param(policy, limit, path, ids, id=f"{policy}-{limit}-{path}-{ids}")
 
 
@@ -136,29 +189,32 @@ def test_refused_call_leaves_nothing_and_loses_nothing(
     app = _app(app_factory, store_conf)
     job = _task(app, policy, limit, ids)
     first = _call(app, job, path, ids, 1)
-    assert first.deduplicated is False
-    first_lock = inspect_lock(first.deduplication_key, app=app)
+    # (a chain answers with its last step's result, which admission never sees)
+    assert getattr(first, "deduplicated", False) is False
+    first_lock = inspect_lock(_key(job, 1), app=app)
+    assert first_lock is not None
     published = 1
     assert _queued(app) == published
 
     try:
         other = _call(app, job, path, ids, 2)
     except RateLimited as exc:
-        assert limit != "none" and not _protected(path)
+        assert _rated(limit) and not _protected(path)
         assert 0 < exc.retry_after <= 3600
         # Nothing left behind: no lock for the refused call, the first keeps its own.
-        refused_key = job.dedup_key(("u", 2), {}, job.dedup_config().default_call)
-        assert inspect_lock(refused_key, app=app) is None
-        after = inspect_lock(first.deduplication_key, app=app)
-        assert after is not None and first_lock is not None and after.owner == first_lock.owner
+        assert inspect_lock(_key(job, 2), app=app) is None
+        after = inspect_lock(_key(job, 1), app=app)
+        assert after is not None and after.owner == first_lock.owner
         store = runtime_for(app).store
         assert store is not None
-        assert store.get(revoked_marker_key(first.deduplication_key, first_lock.owner)) is None
+        assert store.get(revoked_marker_key(_key(job, 1), first_lock.owner)) is None
     else:
-        assert other.deduplicated is False  # a different call is never answered with a handle
+        # A different call is never answered with a handle.
+        assert getattr(other, "deduplicated", False) is False
+        assert not _rated(limit) or _protected(path)
         published += 1
     assert _queued(app) == published
-    if limit != "none":
+    if _rated(limit):
         assert _window(app, job) == published  # exact: one entry per message
 
 
@@ -180,7 +236,7 @@ def test_duplicate_follows_on_duplicate_not_the_rate(
     elif policy == "raise":
         with pytest.raises(DuplicateTaskError):
             job.delay("u", 1)
-    elif limit != "none":
+    elif _rated(limit):
         with pytest.raises(RateLimited):
             job.delay("u", 1)
         after = inspect_lock(first.deduplication_key, app=app)
@@ -191,9 +247,10 @@ def test_duplicate_follows_on_duplicate_not_the_rate(
     else:
         again = job.delay("u", 1)
         assert again.deduplicated is False and again.id != first.id
-    expected = 2 if policy in ("replace", "keep_last", "cancel_running") and limit == "none" else 1
+    takes_over = policy in ("replace", "keep_last", "cancel_running")
+    expected = 2 if takes_over and not _rated(limit) else 1
     assert _queued(app) == expected
-    if limit != "none":
+    if _rated(limit):
         assert _window(app, job) == 1
 
 
@@ -220,7 +277,170 @@ def test_failed_publish_leaves_nothing(
         job.app.send_task = original
     key = job.dedup_key(("u", 1), {}, job.dedup_config().default_call)
     assert inspect_lock(key, app=app) is None
-    if limit != "none":
+    if _rated(limit):
         assert _window(app, job) == 0
     result = job.delay("u", 1)
     assert result.deduplicated is False and _queued(app) == 1
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("limit", ("none", "rate"))
+def test_duplicate_chain_is_never_dropped_silently(
+    app_factory: AppFactory, store_conf: dict[str, Any], policy: str, limit: str
+) -> None:
+    """A chain whose first step is held: ``replace``/``keep_last`` publish it (taking the key
+    over), every other policy raises ``DuplicateTaskError`` (nothing could stand in for the
+    chain's result); a take-over the rate refuses raises ``RateLimited``. Never a silent drop."""
+    app = _app(app_factory, store_conf)
+    job = _task(app, policy, limit, "random")
+    holder = job.delay("u", 1)
+    lock = inspect_lock(holder.deduplication_key, app=app)
+    assert lock is not None
+    flow = chain(job.si("u", 1), job.si("u", 101))
+    if policy in ("replace", "keep_last") and limit == "none":
+        result = flow.apply_async()
+        assert getattr(result, "deduplicated", False) is False
+        assert _queued(app) == 2
+        taken = inspect_lock(holder.deduplication_key, app=app)
+        assert taken is not None and taken.owner != lock.owner
+        return
+    expected = RateLimited if policy in ("replace", "keep_last") else DuplicateTaskError
+    with pytest.raises(expected):
+        flow.apply_async()
+    assert _queued(app) == 1
+    after = inspect_lock(holder.deduplication_key, app=app)
+    assert after is not None and after.owner == lock.owner
+    store = runtime_for(app).store
+    assert store is not None
+    assert store.get(revoked_marker_key(holder.deduplication_key, lock.owner)) is None
+    if limit != "none":
+        assert _window(app, job) == 1
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("limit", ("none", "rate", "rate_callable"))
+@pytest.mark.parametrize("ids", IDS)
+def test_eager_runs_admitted_bodies_once(
+    app_factory: AppFactory, store_conf: dict[str, Any], policy: str, limit: str, ids: str
+) -> None:
+    """``task_always_eager`` goes through the same admission: an admitted call's body runs
+    once in the caller and releases its lock; a call over the rate raises before its body,
+    leaving no lock and no window entry."""
+    app = _app(app_factory, {**store_conf, "task_always_eager": True})
+    job = _task(app, policy, limit, ids)
+    eager_runs.clear()
+    first = _call(app, job, "delay", ids, 1)
+    assert first.get() == 1 and first.deduplicated is False
+    assert eager_runs == [(job.name, 1)]
+    assert inspect_lock(_key(job, 1), app=app) is None  # released at success
+    if _rated(limit):
+        with pytest.raises(RateLimited):
+            _call(app, job, "delay", ids, 2)
+        assert eager_runs == [(job.name, 1)]
+        assert inspect_lock(_key(job, 2), app=app) is None
+        assert _window(app, job) == 1
+    else:
+        assert _call(app, job, "delay", ids, 2).get() == 2
+        assert eager_runs == [(job.name, 1), (job.name, 2)]
+        assert inspect_lock(_key(job, 2), app=app) is None
+    assert _queued(app) == 0
+
+
+ERROR_PATHS = ("delay", "group_member", "worker_side")
+
+
+@pytest.fixture(params=["redis", pytest.param("postgres", marks=pytest.mark.postgres)])
+def dead_store(request: pytest.FixtureRequest) -> str:
+    """A store URL of each kind on a port nothing listens on: every call raises
+    ``StoreUnavailable`` inside the store."""
+    port = free_port()
+    if request.param == "redis":
+        return f"redis://127.0.0.1:{port}/0"
+    return f"db+postgresql+psycopg://dedup@127.0.0.1:{port}/dedup"
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("limit", ("none", "rate"))
+@pytest.mark.parametrize("path", ERROR_PATHS)
+@pytest.mark.parametrize("fallback", ("open", "closed"))
+def test_store_error_follows_the_fallback(
+    app_factory: AppFactory, dead_store: str, policy: str, limit: str, path: str, fallback: str
+) -> None:
+    """A store that does not answer: ``open`` publishes without a lock, ``closed`` raises
+    ``DeduplicationUnavailable`` before publishing, except from a worker (published: the
+    parent never fails for a dedup reason). Never a half-admitted call."""
+    app = _app(app_factory, {"dedup_store": dead_store, "dedup_fallback": fallback})
+    job = _task(app, policy, limit, "random")
+    if fallback == "closed" and path != "worker_side":
+        with pytest.raises(DeduplicationUnavailable):
+            _call(app, job, path, "random", 1)
+        assert _queued(app) == 0
+        return
+    result = _call(app, job, path, "random", 1)
+    assert getattr(result, "deduplicated", False) is False
+    again = _call(app, job, path, "random", 1)  # nothing could tell it is a duplicate
+    assert getattr(again, "deduplicated", False) is False
+    assert _queued(app) == 2
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("limit", ("none", "rate"))
+@pytest.mark.parametrize("path", ERROR_PATHS)
+def test_broker_down_leaves_nothing(
+    app_factory: AppFactory, store_conf: dict[str, Any], policy: str, limit: str, path: str
+) -> None:
+    """The broker is down (a closed port): a call that would publish raises the broker's
+    error, as a plain task's call does, and leaves no lock, no window entry and no revoked
+    marker; a taken-over holder (published by an app on the live broker) gets its key back.
+    A duplicate answered without publishing needs no broker."""
+    up = _app(app_factory, store_conf)
+    down = app_factory(
+        f"adm{next(_names)}",
+        dedup_send_events=False,
+        broker_url=f"redis://127.0.0.1:{free_port()}/0",
+        task_default_queue=up.conf.task_default_queue,  # (the queue is part of the key)
+        task_publish_retry=False,
+        # Fail the connection at once (kombu would retry it for seconds).
+        broker_transport_options={"max_retries": 1, "interval_start": 0, "interval_step": 0},
+        **store_conf,
+    )
+    holder_job = _task(up, policy, limit, "random")
+    job = _task(down, policy, limit, "random")
+    job.name = holder_job.name  # (the same task in two processes' apps)
+    down.tasks[job.name] = job
+    holder = holder_job.delay("u", 1)
+    lock = inspect_lock(holder.deduplication_key, app=up)
+    assert lock is not None
+    store = runtime_for(up).store
+    assert store is not None
+
+    # Different arguments: it must publish, and the broker is down.
+    refused = limit == "rate" and not _protected(path)
+    with pytest.raises(RateLimited if refused else OperationalError):
+        _call(down, job, path, "random", 2)
+    assert inspect_lock(_key(job, 2), app=up) is None
+    if limit == "rate":
+        assert _window(up, holder_job) == 1  # the holder's entry only
+
+    # The same arguments: answered per on_duplicate without the broker; a group member
+    # (never suppressed) or a take-over must publish, and its publish fails.
+    takes_over = policy in ("replace", "keep_last", "cancel_running")
+    if path != "group_member" and not takes_over:
+        if policy == "raise" and path == "delay":
+            with pytest.raises(DuplicateTaskError):
+                _call(down, job, path, "random", 1)
+        else:
+            again = _call(down, job, path, "random", 1)
+            assert again.deduplicated is True and again.id == holder.id
+    elif path == "delay" and limit == "rate":
+        with pytest.raises(RateLimited):  # the take-over is a new publish: over the rate
+            _call(down, job, path, "random", 1)
+    else:
+        with pytest.raises(OperationalError):
+            _call(down, job, path, "random", 1)
+    after = inspect_lock(holder.deduplication_key, app=up)
+    assert after is not None and after.owner == lock.owner
+    assert store.get(revoked_marker_key(holder.deduplication_key, lock.owner)) is None
+    if limit == "rate":
+        assert _window(up, holder_job) == 1
+    assert _queued(up) == 1

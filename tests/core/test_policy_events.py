@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from celery_dedup import DeduplicatedResult, DedupTask, KeyReuseError
+from celery_dedup import DeduplicatedResult, DedupTask, KeyReuseError, RateLimited
 from celery_dedup.events import dispatcher_hostname
 from celery_dedup.runtime import reset_runtime
 from tests.fixtures._events import Recorder
@@ -199,3 +199,38 @@ def test_no_policy_event_with_events_off(recorded: Any) -> None:
         task.delay(1)
         task.delay(1)
     assert recorder.settled() == []
+
+
+def test_rate_refusal_sends_task_rate_limited(recorded: Any) -> None:
+    """A call refused by ``rate_limit_per_key`` is visible like a duplicate: one
+    ``task-rate-limited`` event under the refused call's own, never-published uuid; a
+    delayed call (``on_rate_limit="delay"``) is published, so it sends none."""
+    app, recorder = recorded("ev-rate")
+
+    @app.task(base=DedupTask, shared=False, unique_for=60, rate_limit_per_key="1/h",
+              rate_key="{user}")
+    def notify(user: str, n: int) -> int:
+        return n
+
+    @app.task(base=DedupTask, shared=False, unique_for=60, rate_limit_per_key="1/h",
+              rate_key="{user}", on_rate_limit="delay")
+    def later(user: str, n: int) -> int:
+        return n
+
+    admitted = notify.delay("ada", 1)
+    with pytest.raises(RateLimited) as info:
+        notify.delay("ada", 2)
+    later.delay("ada", 1)
+    later.delay("ada", 2)
+    limited = recorder.of("task-rate-limited")
+    assert len(limited) == 1
+    event = limited[0]
+    assert event["uuid"] not in (admitted.id, None)
+    assert event["name"] == notify.name
+    assert event["args"] == "('ada', 2)"
+    assert 0 < event["retry_after"] <= 3600
+    assert abs(event["retry_after"] - info.value.retry_after) < 5
+    assert event["result"].startswith("refused: over rate_limit_per_key")
+    assert event["hostname"] == dispatcher_hostname()
+    assert not [e for e in recorder.events if e.get("uuid") == admitted.id
+                and e["type"] == "task-rate-limited"]
