@@ -58,6 +58,7 @@ SAMPLES: dict[type[BaseException], Callable[[], BaseException]] = {
     core.DeduplicationUnavailable: lambda: core.DeduplicationUnavailable(
         "store down", task_name="t.sync", reason="unavailable"
     ),
+    core.MalformedHeader: lambda: core.MalformedHeader("until", "'bogus'", "a UniqueUntil"),
     core.StoreUnavailable: lambda: core.StoreUnavailable("refused", store="redis"),
     core.StoreContention: lambda: core.StoreContention("deadlocks", store="sql"),
     core.StoreError: lambda: core.StoreError("failed", store="redis"),

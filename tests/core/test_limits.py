@@ -314,9 +314,12 @@ def test_rate_limit_per_second_from_four_processes(
     assert len(published) >= 5
     assert len(_queued(redis_server)) == len(published)
     assert all(0 < a[4] <= 1.0 for a in raised)
-    # Calls whose admission surely fell within one second of another's: at most 5 in all.
-    for _, _, before, after, _ in published:
-        within = [p for p in published if p[2] >= before and p[3] <= after + 1.0]
+    # Calls whose admission surely fell within the second after another call started
+    # (their whole call inside it): at most 5 in all. (A call's admission lies
+    # somewhere between its start and its return; under load that span is wide,
+    # so only calls that started and returned inside the second count.)
+    for _, _, before, _, _ in published:
+        within = [p for p in published if p[2] >= before and p[3] < before + 1.0]
         assert len(within) <= 5
 
 
