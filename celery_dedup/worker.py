@@ -1081,7 +1081,8 @@ def copy_of_a_run(
     assert header.key is not None
     task_id = str(request.id)
     owner = header.owner(task_id)
-    attempt = runs.attempt_of(request)
+    # (A worker Request keeps its retry count in its request dict only.)
+    attempt = runs.attempt_of(getattr(request, "request_dict", None) or request)
     from celery.worker import state as worker_state
 
     for active in list(worker_state.active_requests):

@@ -5,7 +5,9 @@ A real ``celery worker -P prefork`` subprocess runs a body far longer than
 the lease: a Redis store on a server of the test's own is paused
 (SIGSTOP), a PostgreSQL store's table is locked by another connection.
 Bodies append their start and end to a Redis list on another server, so
-its order shows whether two runs of a key ever overlapped.
+its order shows whether two runs of a key ever overlapped. Also: a copy
+Celery drops (expired) never acts for the live run, a revoked retry is not
+taken for a copy, and an end the store refused is recorded once it accepts.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -107,6 +110,30 @@ def pay(x: int) -> int:
     while not client.get("go") and time.monotonic() < deadline:
         time.sleep(0.05)
     record(f"end:{x}")
+    return x
+
+
+@app.task(
+    base=DedupTask,
+    name="stalls.limited",
+    unique_for=120,
+    concurrency_limit=1,
+    concurrency_key="{account}",
+)
+def limited(account: str, x: int) -> int:
+    """One body per account at a time; the first lasts ``LONG_RUN`` seconds."""
+    record(f"start:{x}")
+    time.sleep(LONG_RUN if x == 0 else 0.2)
+    record(f"end:{x}")
+    return x
+
+
+@app.task(base=DedupTask, name="stalls.again", unique_for=120, bind=True)
+def again(self: Any, x: int) -> int:
+    """Retries once, 2 s later (a new attempt of the same publish)."""
+    record(f"start:{x}:{self.request.retries}")
+    if not self.request.retries:
+        raise self.retry(countdown=2)
     return x
 
 
@@ -296,3 +323,37 @@ def test_a_done_marker_is_recorded_once_the_store_answers_again(
     assert result.get(timeout=90) == 5
     time.sleep(2 * LEASE + 4)  # restored copies come and are refused
     assert logged(redis_server) == ["start:5", "end:5"]
+
+
+def test_a_concurrency_slot_outlives_a_store_stall(
+    worker: Worker, store: Stallable, redis_server: RedisServer
+) -> None:
+    """``concurrency_limit=1``: the store stalls longer than the lease while one body
+    holds the key's slot; the other call's body starts only after it ended."""
+    worker.start()
+    first = limited.delay("acct", 0)
+    wait_until(lambda: "start:0" in logged(redis_server), timeout=60)
+    second = limited.delay("acct", 1)
+    wait_until(lambda: "concurrency limit 1 reached" in worker.text(), timeout=60)
+    stalled = stall_in_background(store, STALL)
+    stalled.join(STALL + 30)
+    assert first.get(timeout=90) == 0
+    assert second.get(timeout=90) == 1
+    assert logged(redis_server) == ["start:0", "end:0", "start:1", "end:1"]
+
+
+def test_a_revoked_retry_is_not_taken_for_a_copy_of_the_attempt_before_it(
+    worker: Worker, store: Stallable, redis_server: RedisServer
+) -> None:
+    """The retry of a run is a new attempt: revoked by id (Celery's own revoke) while it
+    waits for its countdown, Celery drops it and its lock is released; it is not
+    taken for a copy of the first attempt, whose done marker is not its own."""
+    worker.start()
+    result = again.delay(4)
+    wait_until(lambda: "retry: Retry in" in worker.text(), timeout=60)
+    app.control.revoke(result.id)
+    wait_until(lambda: "Discarding revoked task" in worker.text(), timeout=60)
+    wait_until(lambda: inspect_lock(result.deduplication_key, app=app) is None, timeout=30)
+    assert result.state == states.REVOKED
+    assert logged(redis_server) == ["start:4:0"]
+    assert "dropped a copy" not in worker.text()
