@@ -6,6 +6,14 @@ active requests), batched per store: the upkeep costs round trips per
 worker and interval, not per task. A pool child that dies stops nothing
 here, but its request leaves the active set, so its lease lapses within one
 lease (or is given up at once when the worker sees the child die).
+
+A lease survives a store that stalls longer than the lease: its record
+lives a full lease period past the lease (``runs.record_life``), and once
+this thread has seen a run hold its lease it takes the lease back as soon
+as the store answers again if the record lapsed meanwhile and no other copy
+took it (``RunRecords.keep_runs``). A pass the store answers slowly is
+logged, as a store error is. Runs whose end could not be recorded from this
+process (``pending_end``) keep their lease here until the end lands.
 """
 
 from __future__ import annotations
@@ -13,17 +21,28 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
-from .runs import records_of
+from .runs import record_life, records_of
 from .stores.base import LockStore, RunRef
 
-__all__ = ["lease_of", "remember", "renew_active"]
+__all__ = ["forget", "lease_of", "pending_end", "pending_ends", "remember", "renew_active"]
 
 logger = logging.getLogger("celery_dedup")
 
 #: the attribute of a worker ``Request`` holding its ``(Run, lease seconds)``
 _ATTR = "_dedup_run"
+
+#: Delivery tokens of runs a renewal found holding their lease: they began,
+#: so their lease is taken back if it lapses (forgotten once no longer active).
+_held: dict[str, float] = {}
+_held_lock = threading.Lock()
+
+#: Ends of runs this process could not record yet: ``(store, run, lease,
+#: end)``, retried by the renewer, their lease kept meanwhile.
+_pending: list[tuple[LockStore, RunRef, float, Callable[[], object]]] = []
 
 
 class _Renewer:
@@ -72,6 +91,27 @@ def lease_of(request: Any) -> tuple[LockStore, RunRef, float] | None:
     return found
 
 
+def forget(run: RunRef) -> None:
+    """This process gave ``run``'s lease up (its child died): never take it back."""
+    with _held_lock:
+        _held.pop(run.token, None)
+
+
+def pending_end(store: LockStore, run: RunRef, lease: float, end: Callable[[], object]) -> None:
+    """Keep ``run``'s lease alive and call ``end`` each pass until it returns without
+    raising: the end of a run this process could not record (the store did not answer).
+    """
+    with _held_lock:
+        _held[run.token] = time.monotonic()
+        _pending.append((store, run, lease, end))
+    _renewer.start(lease)
+
+
+def pending_ends() -> int:
+    """How many ends of runs wait for the store in this process."""
+    return len(_pending)
+
+
 def _active_runs() -> dict[tuple[int, float], tuple[LockStore, list[RunRef]]]:
     from celery.worker import state as worker_state
 
@@ -81,17 +121,54 @@ def _active_runs() -> dict[tuple[int, float], tuple[LockStore, list[RunRef]]]:
         if found is not None:
             store, run, lease = found
             groups.setdefault((id(store), lease), (store, []))[1].append(run)
+    for store, run, lease, _ in list(_pending):
+        groups.setdefault((id(store), lease), (store, []))[1].append(run)
     return groups
 
 
 def renew_active() -> int:
     """Renew the lease (and ``keep_last`` run gate) of every active request of this
-    worker (one pass).
+    worker, taking back those that lapsed (one pass); then retry pending ends.
     """
     renewed = 0
+    tokens: set[str] = set()
     for (_, lease), (store, runs) in _active_runs().items():
+        tokens.update(run.token for run in runs)
+        started = time.monotonic()
         try:
-            renewed += records_of(store).renew_runs(runs, lease)
+            kept = records_of(store).keep_runs(runs, record_life(lease), set(_held))
         except Exception as exc:  # a store outage: the next pass tries again
             logger.warning("celery-dedup: could not renew %d running leases: %s", len(runs), exc)
+            continue
+        took = time.monotonic() - started
+        if took > lease / 3.0:  # a stall that raised nothing (a locked SQL table)
+            logger.warning(
+                "celery-dedup: the lock store took %.1fs to renew %d running leases "
+                "(a lease lasts %gs)",
+                took,
+                len(runs),
+                lease,
+            )
+        now = time.monotonic()
+        with _held_lock:
+            for run, held in zip(runs, kept, strict=True):
+                if held:
+                    _held[run.token] = now
+        renewed += sum(kept)
+    with _held_lock:
+        for token in [t for t in _held if t not in tokens]:
+            del _held[token]
+    _retry_pending()
     return renewed
+
+
+def _retry_pending() -> None:
+    for entry in list(_pending):
+        try:
+            entry[3]()
+        except Exception as exc:  # still no answer: the lease is kept, tried next pass
+            logger.debug("celery-dedup: the end of a run still waits for the store: %s", exc)
+            continue
+        with _held_lock:
+            if entry in _pending:
+                _pending.remove(entry)

@@ -32,7 +32,7 @@ any other the gate is a TTL lock taken before and given up after them
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from functools import partial
 from typing import Any, cast
 
@@ -54,6 +54,8 @@ __all__ = [
     "StoreRuns",
     "attempt_of",
     "done_ttl_for",
+    "keep_record",
+    "record_life",
     "records_of",
 ]
 
@@ -165,6 +167,24 @@ class StoreRuns:
         """One ``extend`` per run."""
         return sum(1 for run in runs if self.store.extend(run.record, run.token, lease))
 
+    def keep_runs(
+        self, runs: Sequence[RunRef], lease: float, retake: Collection[str]
+    ) -> list[bool]:
+        """One ``extend`` per run; a lease to take back that is not held: an ``acquire``."""
+        return [
+            keep_record(self.store, run.record, run.token, lease, run.token in retake)
+            for run in runs
+        ]
+
+    def peek_run(self, run: RunRef) -> RunOutcome | None:
+        """One ``get`` of the run record."""
+        holder = self.store.get(run.record)
+        if holder is None:
+            return None
+        if holder.policy == DONE_POLICY:
+            return RunOutcome.DONE
+        return RunOutcome.BEGUN if holder.owner == run.token else RunOutcome.RUNNING
+
 
 class GatedRuns:
     """Run records whose gated runs also hold their key's run gate as a TTL lock.
@@ -226,6 +246,51 @@ class GatedRuns:
         renewed = self.records.renew_runs(runs, lease)
         gates = (run for run in runs if run.gated)
         return renewed + sum(1 for run in gates if self.store.extend(run.gate, run.token, lease))
+
+    def keep_runs(
+        self, runs: Sequence[RunRef], lease: float, retake: Collection[str]
+    ) -> list[bool]:
+        """Keep the leases, then the gate of each gated run that holds its lease."""
+        kept = self.records.keep_runs(runs, lease, retake)
+        for run, held in zip(runs, kept, strict=True):
+            if run.gated and held:
+                keep_record(self.store, run.gate, run.token, lease, run.token in retake)
+        return kept
+
+    def peek_run(self, run: RunRef) -> RunOutcome | None:
+        """The run record's answer (the gate says nothing of one attempt)."""
+        return self.records.peek_run(run)
+
+
+def keep_record(store: LockStore, record: str, token: str, lease: float, retake: bool) -> bool:
+    """Renew the lease (or gate) ``token`` holds at ``record`` for ``lease`` seconds;
+    with ``retake``, take it back when nobody holds it. Whether ``token`` holds it now.
+
+    One ``extend`` while held; an ``acquire`` more to take it back (atomic: a
+    copy that took the record meanwhile keeps it).
+    """
+    if store.extend(record, token, lease):
+        return True
+    if not retake:
+        return False
+    meta = {"task_name": "", "policy": RUNNING_POLICY, "task_id": ""}
+    holder = store.acquire(record, token, lease, meta)
+    return holder is None
+
+
+#: A lease record outlives the lease it keeps by one more lease (``record_life``).
+LEASE_GRACE = 1.0
+
+
+def record_life(lease: float) -> float:
+    """How long a running lease (or gate) record lives past its last renewal.
+
+    The worker renews it every third of ``lease``; a copy treats the run
+    as dead only once the record is gone, a full lease period after the
+    lease itself lapsed: the renewer has that long to take back a lease
+    that lapsed while the store did not answer (``keep_runs``).
+    """
+    return lease * (1.0 + LEASE_GRACE)
 
 
 def done_ttl_for(

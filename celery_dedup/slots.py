@@ -20,6 +20,7 @@ from .header import LockHeader
 from .lifecycle import Outcome
 from .limits import concurrency_store_key, key_text, limits_of, slots_of
 from .options import Fallback
+from .runs import record_life
 from .stores.base import SlotSupport
 
 if TYPE_CHECKING:
@@ -37,7 +38,10 @@ class Slot:
     store: SlotSupport
     key: str
     holder: str
+    #: the slot's lease record life (``runs.record_life`` of the lease)
     ttl: float
+    #: the key's ``concurrency_limit``: taking the slot back after a stall obeys it
+    limit: int = 1
 
 
 class _Keeper:
@@ -58,7 +62,8 @@ class _Keeper:
     def add(self, slot: Slot) -> None:
         with self.lock:
             self.held[slot.holder] = slot
-            self.interval = min(self.interval, max(slot.ttl / 3.0, 0.05))
+            # Every third of the lease: a slot's record lives two leases.
+            self.interval = min(self.interval, max(slot.ttl / 6.0, 0.05))
             alive = self.thread is not None and self.thread.is_alive()
             if not alive or self.pid != os.getpid():
                 self.pid = os.getpid()
@@ -78,17 +83,46 @@ class _Keeper:
     def renew(self) -> int:
         with self.lock:
             slots = list(self.held.values())
-        groups: dict[tuple[int, float], tuple[SlotSupport, list[tuple[str, str]]]] = {}
+        groups: dict[tuple[int, float], tuple[SlotSupport, list[Slot]]] = {}
         for slot in slots:
-            group = groups.setdefault((id(slot.store), slot.ttl), (slot.store, []))
-            group[1].append((slot.key, slot.holder))
+            groups.setdefault((id(slot.store), slot.ttl), (slot.store, []))[1].append(slot)
         renewed = 0
-        for (_, ttl), (store, pairs) in groups.items():
+        for (_, ttl), (store, held) in groups.items():
             try:
-                renewed += store.renew_slots(pairs, ttl)
+                pairs = [(slot.key, slot.holder) for slot in held]
+                count = store.renew_slots(pairs, ttl)
+                if count < len(pairs):
+                    count = sum(1 for slot in held if self.take_back(slot))
+                renewed += count
             except Exception as exc:  # an outage: the next pass tries again
-                logger.warning("celery-dedup: could not renew %d slots: %s", len(pairs), exc)
+                logger.warning("celery-dedup: could not renew %d slots: %s", len(held), exc)
         return renewed
+
+    def holds(self, slot: Slot) -> bool:
+        with self.lock:
+            return self.held.get(slot.holder) is slot
+
+    def take_back(self, slot: Slot) -> bool:
+        """Keep ``slot``, or take it back if it lapsed (a store stall) and the key has room.
+
+        ``take_slot`` renews a slot its holder still holds and takes a free
+        one under the limit; a lapsed slot another body took is logged (the
+        key then runs one body over its limit until one ends). A body that
+        ended meanwhile (``leave``) gets the slot given back again.
+        """
+        if not self.holds(slot):
+            return False
+        taken, in_use = slot.store.take_slot(slot.key, slot.holder, slot.limit, slot.ttl)
+        if taken and not self.holds(slot):
+            slot.store.give_slot(slot.key, slot.holder)  # its body ended meanwhile
+            return False
+        if not taken:
+            logger.warning(
+                "celery-dedup: a concurrency slot lapsed while the store did not answer and "
+                "another body took it (%d running)",
+                in_use,
+            )
+        return taken
 
 
 _keeper = _Keeper()
@@ -124,7 +158,8 @@ def enter(task: DedupTask, request: Any, args: Any, kwargs: Any) -> Slot | None:
         worker.end_unclaimed(task, request, Outcome.FAILURE)
         raise
     key = concurrency_store_key(runtime.settings.key_prefix, task.name, text)
-    ttl = runtime.settings.lease_ttl
+    lease = runtime.settings.lease_ttl
+    ttl = record_life(lease)
     holder = f"{request.id}:{os.urandom(8).hex()}"
     try:
         taken, in_use = store.take_slot(key, holder, limits.concurrency, ttl)
@@ -140,7 +175,7 @@ def enter(task: DedupTask, request: Any, args: Any, kwargs: Any) -> Slot | None:
         return None
     if not taken:
         # The deferral backoff grows from the limit's own first step.
-        base = limits.backoff if limits.backoff is not None else ttl / 3.0
+        base = limits.backoff if limits.backoff is not None else lease / 3.0
         worker._defer(
             task,
             request,
@@ -150,7 +185,7 @@ def enter(task: DedupTask, request: Any, args: Any, kwargs: Any) -> Slot | None:
             f"concurrency limit {limits.concurrency} reached ({in_use} running)",
             base,
         )
-    slot = Slot(store, key, holder, ttl)
+    slot = Slot(store, key, holder, ttl, limits.concurrency)
     _keeper.add(slot)
     return slot
 

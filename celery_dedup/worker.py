@@ -16,6 +16,7 @@ import hashlib
 import hmac
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
@@ -391,7 +392,7 @@ def _claim_run(
     """
     lease = task.dedup_config().runtime.settings.lease_ttl
     outcome, claim = runs.records_of(store).claim_run(
-        run, lease, meta, release=release_now, ttl=ttl
+        run, runs.record_life(lease), meta, release=release_now, ttl=ttl
     )
     if outcome is RunOutcome.DONE:
         # The same publish ran to its end already: a copy the broker redelivered.
@@ -567,34 +568,67 @@ def _done_ttl(task: DedupTaskLike, held: Held) -> float:
     )
 
 
-def _end_quietly(task: DedupTaskLike, held: Held, release: bool | None) -> bool:
+def _end_quietly(
+    task: DedupTaskLike, held: Held, release: bool | None, *, persist: bool = False
+) -> bool:
     """End this attempt's run (done marker) and release or settle its lock in one step.
 
-    A store error is logged, never raised: a release that did not land is
-    retried as soon as the store answers; a done marker that did not land
-    lets a late copy run again (documented).
+    A store error is logged, never raised. With ``persist`` (the pool child
+    ending a run whose claim landed) the end is tried again until the store
+    records it: the request stays active meanwhile, so the worker's main
+    process keeps its lease alive (and takes it back if it lapsed) and
+    copies keep waiting; a done marker is never lost to a store that did
+    not answer. Otherwise a release that did not land is retried as soon as
+    the store answers.
     """
     run = held.run
     assert run is not None
-    try:
+    done_ttl = _done_ttl(task, held)
+
+    def end() -> bool:
         return runs.records_of(held.store).end_run(
-            run,
-            _done_ttl(task, held),
-            meta_for(task, held.task_id, held.header.until),
-            release=release,
+            run, done_ttl, meta_for(task, held.task_id, held.header.until), release=release
         )
+
+    try:
+        return end()
     except StoreError as exc:
         logger.warning(
-            "celery-dedup: could not record the end of %s[%s] (lock %s): %s",
+            "celery-dedup: could not record the end of %s[%s] (lock %s): %s%s",
             task.name,
             held.task_id,
             short(held.key),
             exc,
+            ": its lease is kept until it can" if persist and not held.unchecked else "",
         )
+        if persist and not held.unchecked:
+            return _end_when_the_store_answers(end, done_ttl)
         if release:
             runtime = task.dedup_config().runtime
             runtime.add_orphan(held.key, held.owner, runtime.settings.revoked_ttl)
         return False
+
+
+def _end_when_the_store_answers(end: Callable[[], bool], patience: float) -> bool:
+    """Try ``end`` again, backing off (0.2 s doubling to 5 s), until it lands.
+
+    Gives up (logged) after ``patience`` seconds, the done marker's own
+    life: past it a copy would be accepted even had the marker landed.
+    """
+    deadline = time.monotonic() + patience
+    wait = 0.2
+    while True:
+        time.sleep(wait)
+        try:
+            answer = end()
+        except StoreError as exc:
+            if time.monotonic() + wait > deadline:
+                logger.error("celery-dedup: gave up recording the end of a run: %s", exc)
+                return False
+            wait = min(wait * 2, 5.0)
+            continue
+        logger.warning("celery-dedup: recorded the end of a run once the store answered")
+        return answer
 
 
 def _abandon_run(task: DedupTaskLike, store: LockStore, run: RunRef) -> None:
@@ -756,7 +790,7 @@ def finish(task: DedupTaskLike, held: Held, outcome: Outcome) -> None:
             # The start claim could not release it: that release is owed now.
             action = outcome is not Outcome.REQUEUED
     if held.run is not None and outcome is not Outcome.REQUEUED:
-        if _end_quietly(task, held, action) and action:
+        if _end_quietly(task, held, action, persist=True) and action:
             _count_release(task, held.key, held.task_id, outcome.value)
         return
     if held.run is not None:
@@ -860,9 +894,13 @@ def release_killed_run(task: DedupTaskLike, request: Any, outcome: Outcome) -> N
             _abandon_run(task, found[0], found[1])
         _settle(task, store, header.key, owner, task_id)
         return
+    releases = _killed_run_releases(header, outcome)
     if found is not None:
-        _end_quietly(task, Held(store, header, header.key, "", task_id, run=found[1]), None)
-    if _killed_run_releases(header, outcome):
+        # The attempt ended (killed by a time limit or a revoke): its copies must not run.
+        held = Held(store, header, header.key, owner, task_id, run=found[1])
+        if not _end_from_main_process(task, held, found[2], releases):
+            return  # the renewer records the end (and releases) once the store answers
+    if releases:
         release(task, store, header.key, owner, task_id, outcome.value)
 
 
@@ -878,6 +916,40 @@ def _settle(task: DedupTaskLike, store: LockStore, key: str, owner: str, task_id
             task_id,
             exc,
         )
+
+
+def _end_from_main_process(task: DedupTaskLike, held: Held, lease: float, releases: bool) -> bool:
+    """Record the end of a killed run from the main process, never waiting here.
+
+    When the store does not answer, the end is handed to the lease renewer
+    (``leases.pending_end``): the run's lease is kept until the end lands,
+    then the lock is released per policy. Whether the end landed now.
+    """
+    run = held.run
+    assert run is not None
+    records = runs.records_of(held.store)
+    meta = meta_for(task, held.task_id, held.header.until)
+    done_ttl = _done_ttl(task, held)
+    try:
+        records.end_run(run, done_ttl, meta, release=None)
+        return True
+    except StoreError as exc:
+        logger.warning(
+            "celery-dedup: could not record the end of %s[%s] (lock %s): %s: "
+            "its lease is kept until it can",
+            task.name,
+            held.task_id,
+            short(held.key),
+            exc,
+        )
+
+    def end() -> None:
+        records.end_run(run, done_ttl, meta, release=None)
+        if releases:
+            held.store.release(held.key, held.owner)
+
+    leases.pending_end(held.store, run, lease, end)
+    return False
 
 
 def _killed_run_releases(header: LockHeader, outcome: Outcome) -> bool:
@@ -1043,6 +1115,48 @@ class DedupRequest(Request):
         """The message's request context (Celery's ``Request._context``)."""
         return getattr(self, "_context", None) or self.request_dict
 
+    def _announce_revoked(
+        self, reason: str, terminated: bool, signum: Any, expired: bool
+    ) -> None:
+        """A dropped copy of a live or completed run is acknowledged quietly.
+
+        Celery would store ``REVOKED`` under the task id the run shares (its
+        caller's ``get()`` would raise ``TaskRevokedError`` while the body
+        runs, or over its result) and announce the revoke.
+        """
+        if not terminated and _contained_answer(self._copy_of_a_run):
+            from celery.worker import state as worker_state
+
+            # Celery's task_ready would also forget the live run's entry (by id).
+            if worker_state.requests.get(self.id) is self:
+                del worker_state.requests[self.id]
+            for requests in ("active_requests", "reserved_requests", "scheduled_requests"):
+                getattr(worker_state, requests).discard(self)
+            logger.info(
+                "celery-dedup: dropped a copy of %s[%s] (%s): its run is live or done",
+                self.task.name,
+                self.id,
+                reason,
+            )
+            self.acknowledge()
+            self._already_revoked = True
+            self._dedup_copy_dropped = True
+            return
+        super()._announce_revoked(reason, terminated, signum, expired)  # type: ignore[misc]
+
+    def _copy_of_a_run(self) -> bool:
+        task: Any = self.task
+        if not hasattr(task, "dedup_config"):
+            return False
+        header = header_in(self.request_dict)
+        if header is None or header.key is None:
+            return False
+        try:
+            store = task.dedup_config().runtime.store
+        except Exception:  # the start claim reports the store's configuration error
+            return False
+        return store is not None and copy_of_a_run(task, store, self, header) is True
+
     def _release_killed_run(self) -> None:
         from celery.worker import state as worker_state
 
@@ -1089,6 +1203,15 @@ class DedupRequest(Request):
         return retried
 
 
+def _contained_answer(question: Callable[[], bool]) -> bool:
+    """``question()`` asked inside Celery's consumer: an error answers ``False`` (logged)."""
+    try:
+        return question()
+    except Exception:
+        logger.exception("celery-dedup: %s failed", getattr(question, "__name__", question))
+        return False
+
+
 def _contained(hook: Callable[..., None], *args: Any) -> None:
     """Run a main-process hook of a killed run; its error is logged, never raised.
 
@@ -1112,6 +1235,7 @@ def abandon_lost_run(request: Any) -> None:
     task: Any = getattr(request, "task", None)
     if found is not None and hasattr(task, "dedup_config"):
         # (A keep_last gate too: the key's next run may start now.)
+        leases.forget(found[1])  # never taken back: the run is gone
         _abandon_run(task, found[0], found[1])
 
 
@@ -1142,13 +1266,20 @@ def prepare_strategy(task: DedupTaskLike) -> None:
 
 @task_revoked.connect(weak=False)
 def _release_revoked(
-    sender: Any = None, request: Any = None, expired: bool = False, **_: Any
+    sender: Any = None,
+    request: Any = None,
+    expired: bool = False,
+    terminated: bool = False,
+    **_: Any,
 ) -> None:
-    """A revoked, expired or terminated message releases its lock (except ``expiry``)."""
+    """A revoked, expired or terminated message releases its lock (except ``expiry``).
+
+    Not a dropped copy of a run that is live or completed: the lock is that run's.
+    """
     if request is None or not hasattr(sender, "dedup_config"):
         return
     try:
-        _release_revoked_request(sender, request, expired)
+        _release_revoked_request(sender, request, expired, terminated)
     except Exception:  # a receiver's error must not hide the revoke from Celery's own work
         logger.exception(
             "celery-dedup: could not release the lock of revoked %s[%s]",
@@ -1157,7 +1288,9 @@ def _release_revoked(
         )
 
 
-def _release_revoked_request(sender: Any, request: Any, expired: bool) -> None:
+def _release_revoked_request(
+    sender: Any, request: Any, expired: bool, terminated: bool
+) -> None:
     """``_release_revoked`` proper."""
     header = header_of(request)
     if header is None:
@@ -1173,9 +1306,61 @@ def _release_revoked_request(sender: Any, request: Any, expired: bool) -> None:
     if not _killed_run_releases(header, Outcome.REVOKED):
         return
     store = sender.dedup_config().runtime.store
-    if store is not None:
-        reason = "expired" if expired else "revoked"
-        release(sender, store, header.key, header.owner(request.id), request.id, reason)
+    if store is None:
+        return
+    if not terminated:
+        copy = copy_of_a_run(sender, store, request, header)
+        if copy is not False:
+            # A copy never acts for the run: its lock stays the run's. (Unknown:
+            # the store did not answer; the lock's TTL bounds it.)
+            return
+    reason = "expired" if expired else "revoked"
+    release(sender, store, header.key, header.owner(request.id), request.id, reason)
+
+
+def copy_of_a_run(
+    task: DedupTaskLike, store: LockStore, request: Any, header: LockHeader
+) -> bool | None:
+    """Whether a message the worker drops (revoked, expired) is a copy of a run of
+    its publish that is live or completed (``None``: the store did not answer).
+
+    A copy (deferred, or delivered again) shares its run's task id and owner
+    token; the run's record says whether that run is live or done. The
+    worker's own active requests are asked first (no round trip).
+    """
+    assert header.key is not None
+    task_id = str(request.id)
+    owner = header.owner(task_id)
+    # (A worker Request keeps its retry count in its request dict only.)
+    attempt = runs.attempt_of(getattr(request, "request_dict", None) or request)
+    from celery.worker import state as worker_state
+
+    for active in list(worker_state.active_requests):
+        found = leases.lease_of(active)
+        if (
+            active is not request
+            and getattr(active, "time_start", None)
+            and found is not None
+            and found[1].owner == owner
+            and found[1].attempt == attempt
+            and found[1].token != getattr(request, runs.DELIVERY_FIELD, None)
+        ):
+            return True
+    token = str(getattr(request, runs.DELIVERY_FIELD, None) or "")
+    run = RunRef(header.key, owner, attempt, token, header.last)
+    try:
+        outcome = runs.records_of(store).peek_run(run)
+    except StoreError as exc:
+        logger.warning(
+            "celery-dedup: %s[%s] was dropped; whether a copy of it runs is unknown "
+            "(lock %s kept until its TTL): %s",
+            task.name,
+            task_id,
+            short(header.key),
+            exc,
+        )
+        return None
+    return outcome in (RunOutcome.RUNNING, RunOutcome.DONE)
 
 
 def _request_token(request: Any) -> str | None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
@@ -359,6 +359,22 @@ class RunRecords(Protocol):
     def renew_runs(self, runs: Sequence[RunRef], lease: float) -> int:
         """Set the lease of each run its copy holds (and the gate of a gated run its
         copy holds) to ``lease`` seconds; how many records it set."""
+
+    def keep_runs(
+        self, runs: Sequence[RunRef], lease: float, retake: Collection[str]
+    ) -> list[bool]:
+        """Renew each run's lease (and gate) like ``renew_runs``; for a run whose
+        delivery token is in ``retake``, also take its lease (and gate) back
+        when nobody holds it (it lapsed while the store did not answer).
+
+        Never over another copy's lease, another run's gate or a done marker.
+        Answers, per run, whether its copy holds its lease now.
+        """
+
+    def peek_run(self, run: RunRef) -> RunOutcome | None:
+        """What the attempt's run record holds, read only: ``BEGUN`` (``run``'s
+        own copy holds the lease), ``RUNNING`` (another copy's lease), ``DONE``
+        (its done marker), or ``None`` (no live record)."""
 
 
 @runtime_checkable

@@ -14,7 +14,7 @@ import functools
 import re
 import secrets
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -401,6 +401,30 @@ end
 return answer
 """
 
+# KEYS[1] - a run record
+# KEYS[2] - its key's run gate, for a gated run only (same hash slot)
+# ARGV[1] - the delivery token
+# ARGV[2] - lease in milliseconds
+# ARGV[3] - "1" to take back a record nobody holds (absent), else ""
+# return 1 if the token holds the run record now (renewed or taken back), else 0
+# (the gate is kept only with the record)
+KEEP = """
+local mine = 'L' .. ARGV[1]
+for _, k in ipairs(KEYS) do
+    local v = redis.call('get', k)
+    if v == mine or (not v and ARGV[3] == '1') then
+        redis.call('set', k, mine, 'PX', ARGV[2])
+    elseif k == KEYS[1] then
+        return 0
+    end
+end
+return 1
+"""
+
+# KEYS[1] - a run record
+# return its value, or nil
+PEEK = "return redis.call('get', KEYS[1])"
+
 _REVOKE_OUTCOMES = {0: RevokeOutcome.NOT_HELD, 1: RevokeOutcome.RELEASED, 2: RevokeOutcome.RUNNING}
 
 #: policy -> its one-letter code in a record (lowercase: task name not stored)
@@ -627,6 +651,8 @@ class RedisStore(RedisLimits):
         self._claim_run: Script = client.register_script(CLAIM_RUN)
         self._end_run: Script = client.register_script(END_RUN)
         self._lease: Script = client.register_script(LEASE)
+        self._keep: Script = client.register_script(KEEP)
+        self._peek: Script = client.register_script(PEEK)
         #: per-thread connections the scripts run on (None: through the
         #: client's own command path, e.g. a cluster client routing by slot), with
         #: the store's connect and operation timeouts (``DEFAULT_TIMEOUTS``)
@@ -884,6 +910,30 @@ class RedisStore(RedisLimits):
             for run in runs:
                 self._lease(keys=self._run_keys(run), args=[run.token, ms], client=pipe)
             return sum(int(answer) for answer in pipe.execute())
+
+    def keep_runs(
+        self, runs: Sequence[RunRef], lease: float, retake: Collection[str]
+    ) -> list[bool]:
+        """Renew, or take back, every lease: one pipelined round trip for all of them."""
+        if not runs:
+            return []
+        ms = _ms(lease)
+        with self._boundary():
+            pipe = self.client.pipeline(transaction=False)
+            for run in runs:
+                args: list[str | int] = [run.token, ms, "1" if run.token in retake else ""]
+                self._keep(keys=self._run_keys(run), args=args, client=pipe)
+            return [bool(int(answer)) for answer in pipe.execute()]
+
+    def peek_run(self, run: RunRef) -> RunOutcome | None:
+        """Read the attempt's run record (one EVALSHA of a GET: the store's timeouts apply)."""
+        raw = self._run(self._peek, [self._run_record(run)], [])
+        if raw is None:
+            return None
+        value = raw.decode() if isinstance(raw, bytes) else str(raw)
+        if value.startswith("D"):
+            return RunOutcome.DONE
+        return RunOutcome.BEGUN if value[1:] == run.token else RunOutcome.RUNNING
 
     def revoke(self, key: str, owner: str, ttl: float) -> RevokeOutcome:
         """Mark ``owner`` revoked; release its lock unless started (one EVALSHA)."""

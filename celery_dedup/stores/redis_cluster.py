@@ -18,7 +18,7 @@ first call (and ``dedup_fallback`` applies) rather than breaking the app.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from redis.commands.core import Script
@@ -155,6 +155,20 @@ class RedisClusterStore(RedisStore):
         ms = _ms(lease)
         return sum(int(self._run(self._lease, self._run_keys(r), [r.token, ms])) for r in runs)
 
+    def keep_runs(
+        self, runs: Sequence[RunRef], lease: float, retake: Collection[str]
+    ) -> list[bool]:
+        """Renew, or take back, every lease: one EVALSHA per run (on its key's primary)."""
+        ms = _ms(lease)
+        return [
+            bool(int(self._run(self._keep, self._run_keys(r), [r.token, ms, _retake(r, retake)])))
+            for r in runs
+        ]
+
     def _counts_key(self, prefix: str) -> str:
         # One hash; the tag keeps it in one slot whatever is appended to it.
         return str(self._k("{" + prefix + "}/counters"))
+
+
+def _retake(run: RunRef, retake: Collection[str]) -> str:
+    return "1" if run.token in retake else ""

@@ -35,7 +35,7 @@ import secrets
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from functools import partial
 from typing import TYPE_CHECKING, Any, cast
@@ -686,6 +686,45 @@ class SQLStore(SQLLimits):
                 pairs += [(run.gate, run.token) for run in some if run.gated]
             renewed += self._run(partial(renew, pairs))
         return renewed
+
+    def keep_runs(
+        self, runs: Sequence[RunRef], lease: float, retake: Collection[str]
+    ) -> list[bool]:
+        """Renew every live lease in one batch (``renew_runs``); when some were not
+        renewed, read and keep each run's record on its own (a lapsed lease to
+        take back is taken with the lock upsert: atomic against a copy's claim).
+        """
+        gated = sum(1 for run in runs if run.gated) if self.run_gates else 0
+        if self.renew_runs(runs, lease) == len(runs) + gated:
+            return [True] * len(runs)
+        kept = [self._keep_run(run, lease, run.token in retake) for run in runs]
+        return kept
+
+    def _keep_run(self, run: RunRef, lease: float, retake: bool) -> bool:
+        held = self._keep_row(run.record, run.token, lease, retake)
+        if held and run.gated and self.run_gates:
+            self._keep_row(run.gate, run.token, lease, retake)
+        return held
+
+    def _keep_row(self, record: str, token: str, lease: float, retake: bool) -> bool:
+        row = self.get(record)
+        if row is not None:
+            if row.owner != token or row.policy != RUNNING_POLICY:
+                return False
+            return self.extend(record, token, lease)
+        if not retake:
+            return False
+        meta = {"task_name": "", "policy": RUNNING_POLICY, "task_id": ""}
+        return self.acquire(record, token, lease, meta) is None
+
+    def peek_run(self, run: RunRef) -> RunOutcome | None:
+        """Read the attempt's run record (one SELECT)."""
+        row = self.get(run.record)
+        if row is None:
+            return None
+        if row.policy == DONE_POLICY:
+            return RunOutcome.DONE
+        return RunOutcome.BEGUN if row.owner == run.token else RunOutcome.RUNNING
 
     # -- CounterSupport ----------------------------------------------------
 

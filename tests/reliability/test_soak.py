@@ -117,7 +117,8 @@ def test_soak_finds_no_violation(
         for process in producers:
             process.join(plan.calls / plan.rate + 120)
             assert process.exitcode == 0, f"producer exited with {process.exitcode}"
-        poll(lambda: not unfinished(recorder.trace()), 120, interval=1.0, what="queue drained")
+        # A copy of a killed run waits for its lease record: two leases (60 s each).
+        poll(lambda: not unfinished(recorder.trace()), 180, interval=1.0, what="queue drained")
     scan_once(store, PREFIX, recorder)
     trace = recorder.trace()
     (tmp_path / "trace.json").write_text(trace.to_json())

@@ -705,6 +705,60 @@ class StoreContract:
         )
         assert (outcome, claim) == (RunOutcome.DONE, None)
 
+    def test_keep_runs_takes_back_a_lapsed_lease_and_gate(self, store_case: StoreCase) -> None:
+        """A lease (and gate) that lapsed while nobody took it is taken back by its copy
+        with ``retake``: a copy is RUNNING again and a follow-up WAITING."""
+        store = store_case.store
+        runs = records_of(store)
+        run = RunRef("keep:a", "owner-a", "0.0", "copy-1", gated=True)
+        assert runs.claim_run(run, 1, META, release=False, ttl=30)[0] is RunOutcome.BEGUN
+        time.sleep(2.2)  # the lease and the gate lapse (memcached counts whole seconds)
+        assert runs.keep_runs([run], 30, set()) == [False]  # not asked to: stays lapsed
+        assert runs.peek_run(run) is None
+        assert runs.keep_runs([run], 30, {"copy-1"}) == [True]
+        assert runs.peek_run(run) is RunOutcome.BEGUN
+        copy = RunRef("keep:a", "owner-a", "0.0", "copy-2", gated=True)
+        assert runs.claim_run(copy, 30, META, release=False, ttl=30)[0] in (
+            RunOutcome.RUNNING, RunOutcome.WAITING,
+        )
+        assert runs.peek_run(copy) is RunOutcome.RUNNING
+        follow_up = RunRef("keep:a", "owner-b", "0.0", "copy-b", gated=True)
+        assert runs.claim_run(follow_up, 30, META, release=False, ttl=30) == (
+            RunOutcome.WAITING, None,
+        )
+        assert runs.keep_runs([run], 30, {"copy-1"}) == [True]  # held: renewed
+        assert runs.end_run(run, 30, META, release=True) is True
+        assert runs.peek_run(copy) is RunOutcome.DONE
+
+    def test_keep_runs_never_takes_another_copys_lease_or_a_done_marker(
+        self, store_case: StoreCase
+    ) -> None:
+        """Taking back is for an absent record only: a copy that took the attempt, or its
+        done marker, stays; so does another run's gate."""
+        store = store_case.store
+        runs = records_of(store)
+        stalled = RunRef("keep:b", "owner-a", "0.0", "copy-1", gated=True)
+        assert runs.claim_run(stalled, 1, META, release=False, ttl=30)[0] is RunOutcome.BEGUN
+        time.sleep(2.2)
+        other = RunRef("keep:b", "owner-a", "0.0", "copy-2", gated=True)
+        assert runs.claim_run(other, 30, META, release=False, ttl=30)[0] is RunOutcome.BEGUN
+        assert runs.keep_runs([stalled], 30, {"copy-1"}) == [False]
+        assert runs.peek_run(stalled) is RunOutcome.RUNNING
+        assert runs.peek_run(other) is RunOutcome.BEGUN
+        assert runs.end_run(other, 30, META, release=True) is True
+        assert runs.keep_runs([stalled], 30, {"copy-1"}) == [False]
+        assert runs.peek_run(stalled) is RunOutcome.DONE
+        # The key's gate was given up with the run: a follow-up takes it; the
+        # stalled copy cannot take it back from the follow-up.
+        follow_up = RunRef("keep:b", "owner-b", "0.0", "copy-b", gated=True)
+        assert runs.claim_run(follow_up, 30, META, release=False, ttl=30)[0] is RunOutcome.BEGUN
+        assert runs.keep_runs([stalled, follow_up], 30, {"copy-1"}) == [False, True]
+        peeked = RunRef("keep:b", "owner-c", "0.0", "copy-c", gated=True)
+        assert runs.claim_run(peeked, 30, META, release=False, ttl=30) == (
+            RunOutcome.WAITING, None,
+        )
+        assert runs.peek_run(RunRef("keep:none", "owner-a", "0.0", "copy-1")) is None
+
     def test_run_revoked_owner_begins_but_is_refused(self, store_case: StoreCase) -> None:
         """The revoked marker is still consulted: the claim inside claim_run answers REVOKED."""
         store = store_case.store
