@@ -185,6 +185,11 @@ class StoreRuns:
             return RunOutcome.DONE
         return RunOutcome.BEGUN if holder.owner == run.token else RunOutcome.RUNNING
 
+    def lease_token(self, run: RunRef) -> str | None:
+        """One ``get`` of the run record: its owner, unless it is a done marker."""
+        holder = self.store.get(run.record)
+        return None if holder is None or holder.policy == DONE_POLICY else holder.owner
+
 
 class GatedRuns:
     """Run records whose gated runs also hold their key's run gate as a TTL lock.
@@ -260,6 +265,10 @@ class GatedRuns:
     def peek_run(self, run: RunRef) -> RunOutcome | None:
         """The run record's answer (the gate says nothing of one attempt)."""
         return self.records.peek_run(run)
+
+    def lease_token(self, run: RunRef) -> str | None:
+        """The run record's answer."""
+        return self.records.lease_token(run)
 
 
 def keep_record(store: LockStore, record: str, token: str, lease: float, retake: bool) -> bool:

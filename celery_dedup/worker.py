@@ -19,6 +19,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any, NoReturn
 
 from celery import states
@@ -29,7 +30,7 @@ from celery.worker.control import control_command
 from celery.worker.request import Request
 from kombu.serialization import registry  # type: ignore[attr-defined]
 
-from . import backoff, coalesce, leases, requeue, runs
+from . import backoff, coalesce, incarnation, leases, requeue, runs
 from .exceptions import MalformedHeader, StoreContention, StoreError, StoreUnavailable
 from .header import HEADER, MAX_TOKEN, LockHeader, new_token, read_header
 from .identity import bound_queue, deterministic_task_id
@@ -391,9 +392,24 @@ def _claim_run(
     completed attempt does not run (``Ignore``).
     """
     lease = task.dedup_config().runtime.settings.lease_ttl
-    outcome, claim = runs.records_of(store).claim_run(
+    records = runs.records_of(store)
+    outcome, claim = records.claim_run(
         run, runs.record_life(lease), meta, release=release_now, ttl=ttl
     )
+    if outcome is RunOutcome.RUNNING:
+        dead = _dead_lease(records, run)
+        if dead is not None:
+            # The run died with its worker process: this copy takes its lease
+            # over at once (one copy only, atomically), not a record's life later.
+            logger.info(
+                "celery-dedup: %s[%s] takes over the lease of a run whose worker is gone",
+                task.name,
+                request.id,
+            )
+            run = replace(run, inherits=dead)
+            outcome, claim = records.claim_run(
+                run, runs.record_life(lease), meta, release=release_now, ttl=ttl
+            )
     if outcome is RunOutcome.DONE:
         # The same publish ran to its end already: a copy the broker redelivered.
         _skip(task, request.id, run.key, request.id, "already ran")
@@ -404,6 +420,21 @@ def _claim_run(
         _wait_for_gate(task, request, store, run, args, kwargs, lease)
     assert claim is not None
     return claim
+
+
+def _dead_lease(records: Any, run: RunRef) -> str | None:
+    """The token of the attempt's lease when the process renewing it is gone, else ``None``.
+
+    One read more, on this path only (a copy finding its run's lease); a
+    store that cannot say leaves the copy to wait for the lease to lapse.
+    """
+    try:
+        token = records.lease_token(run)
+    except StoreError:
+        return None
+    if not token or token == run.token or not incarnation.died(token):
+        return None
+    return str(token)
 
 
 def _wait_for_gate(
@@ -988,7 +1019,7 @@ def _give_delivery_token(task: DedupTaskLike, request: Any) -> None:
     kept = request_dict.get(runs.DELIVERY_FIELD)
     if kept and not request_dict.get(runs.INHERITED_FIELD):
         request_dict[runs.INHERITED_FIELD] = kept
-    token = request_dict[runs.DELIVERY_FIELD] = new_token()
+    token = request_dict[runs.DELIVERY_FIELD] = incarnation.new_delivery_token()
     owner = header.owner(str(request.id))
     run = RunRef(header.key, owner, runs.attempt_of(request_dict), token, header.last)
     leases.remember(request, store, run, runtime.settings.lease_ttl)

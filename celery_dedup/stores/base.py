@@ -376,6 +376,10 @@ class RunRecords(Protocol):
         own copy holds the lease), ``RUNNING`` (another copy's lease), ``DONE``
         (its done marker), or ``None`` (no live record)."""
 
+    def lease_token(self, run: RunRef) -> str | None:
+        """The delivery token holding the attempt's lease, read only (``None``: no
+        live lease: none, or a done marker). One round trip."""
+
 
 @runtime_checkable
 class QueuedTakeOver(Protocol):

@@ -935,6 +935,14 @@ class RedisStore(RedisLimits):
             return RunOutcome.DONE
         return RunOutcome.BEGUN if value[1:] == run.token else RunOutcome.RUNNING
 
+    def lease_token(self, run: RunRef) -> str | None:
+        """The token of the attempt's live lease (the same read as ``peek_run``)."""
+        raw = self._run(self._peek, [self._run_record(run)], [])
+        if raw is None:
+            return None
+        value = raw.decode() if isinstance(raw, bytes) else str(raw)
+        return None if value.startswith("D") else value[1:]
+
     def revoke(self, key: str, owner: str, ttl: float) -> RevokeOutcome:
         """Mark ``owner`` revoked; release its lock unless started (one EVALSHA)."""
         raw = self._run(

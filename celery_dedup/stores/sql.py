@@ -726,6 +726,11 @@ class SQLStore(SQLLimits):
             return RunOutcome.DONE
         return RunOutcome.BEGUN if row.owner == run.token else RunOutcome.RUNNING
 
+    def lease_token(self, run: RunRef) -> str | None:
+        """The token of the attempt's live lease (one SELECT)."""
+        row = self.get(run.record)
+        return None if row is None or row.policy == DONE_POLICY else str(row.owner)
+
     # -- CounterSupport ----------------------------------------------------
 
     def add_counts(self, prefix: str, counts: Mapping[tuple[str, str], int]) -> None:
