@@ -759,6 +759,25 @@ class StoreContract:
         )
         assert runs.peek_run(RunRef("keep:none", "owner-a", "0.0", "copy-1")) is None
 
+    def test_lease_token_names_the_copy_holding_the_lease(self, store_case: StoreCase) -> None:
+        """The live lease's delivery token, for any copy of the attempt; none once the
+        attempt is done; a copy inheriting that token takes the lease over, one copy only."""
+        runs = records_of(store_case.store)
+        first = RunRef("lease:a", "owner-a", "0.0", "dead-copy")
+        assert runs.lease_token(first) is None
+        assert runs.claim_run(first, 30, META, release=False, ttl=30)[0] is RunOutcome.BEGUN
+        copy = RunRef("lease:a", "owner-a", "0.0", "copy-2")
+        assert runs.lease_token(copy) == "dead-copy"
+        heir = RunRef("lease:a", "owner-a", "0.0", "copy-2", inherits="dead-copy")
+        assert runs.claim_run(heir, 30, META, release=False, ttl=30)[0] is RunOutcome.BEGUN
+        other_heir = RunRef("lease:a", "owner-a", "0.0", "copy-3", inherits="dead-copy")
+        assert runs.claim_run(other_heir, 30, META, release=False, ttl=30)[0] is (
+            RunOutcome.RUNNING
+        )
+        assert runs.lease_token(first) == "copy-2"
+        assert runs.end_run(heir, 30, META, release=True) is True
+        assert runs.lease_token(first) is None
+
     def test_run_revoked_owner_begins_but_is_refused(self, store_case: StoreCase) -> None:
         """The revoked marker is still consulted: the claim inside claim_run answers REVOKED."""
         store = store_case.store
