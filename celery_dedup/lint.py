@@ -54,7 +54,7 @@ class Rule:
 
 
 #: ids no longer reported (still accepted when silenced, so old settings keep working)
-RETIRED: Final = frozenset({"W103"})
+RETIRED: Final = frozenset({"W102", "W103", "W104", "W105"})
 
 #: every lint id, in the order the docs list them
 RULES: Final[Mapping[str, Rule]] = {
@@ -62,12 +62,6 @@ RULES: Final[Mapping[str, Rule]] = {
     for rule in (
         Rule("W101", "unique_for is shorter than the task's time limit: the lock can "
              "expire mid-run", "set unique_for to at least the time limit"),
-        Rule("W102", 'unique_until="start" on a task that retries: the key is free while '
-             "a retry waits", 'use unique_until="success" (or "finish")'),
-        Rule("W104", "a call's countdown (or eta) is longer than the broker's "
-             "visibility_timeout", "raise visibility_timeout above the longest countdown"),
-        Rule("W105", "an acks_late task's time limit is longer than the broker's "
-             "visibility_timeout", "raise visibility_timeout above the time limit"),
         Rule("W106", "the Redis store's maxmemory-policy can evict locks",
              'set maxmemory-policy to "noeviction" on the store\'s server'),
         Rule("I106", "cannot decide whether the Redis store's server evicts locks",
@@ -239,20 +233,11 @@ def _task_rules(app: AppFacts, task: TaskFacts) -> Iterator[Finding]:
         yield _finding("W101", f"unique_for ({_g(task.unique_for)}) is shorter than "
                        f"{limit[0]} ({_g(limit[1])}): the lock can expire while the body "
                        "runs and a second call run beside it", task.name)
-    if task.unique_until is UniqueUntil.START and task.retries:
-        yield _finding("W102", f'unique_until="start" frees the key when the body starts, '
-                       f"but the task retries ({task.retries}): while a retry waits the key "
-                       "is free and the same call can be published and run again", task.name)
-    vt = app.visibility_timeout
-    # A visibility_timeout shorter than unique_for is no hole: each copy the
-    # broker delivers again is refused by the run's records (its start
-    # claim, lease and done marker). What remains true of it, a run that
-    # outlasts the visibility_timeout, is W105's.
-    if vt and task.acks_late and limit is not None and vt < limit[1]:
-        yield _finding("W105", f"the task acknowledges late and its {limit[0]} "
-                       f"({_g(limit[1])}) is longer than the broker's visibility_timeout "
-                       f"({_g(vt)}): a run still going is delivered again to another worker",
-                       task.name)
+    # Retired, each shown by a real-worker scenario to run the body once:
+    # W102 (a retry takes its key again when it is published, so the key is
+    # held while the retry waits), W103, W104 and W105 (every copy the
+    # broker delivers again, waiting for its ETA or while its run goes on,
+    # is deferred by the running lease and refused by the done marker).
     expires = app.result_expires
     if (app.reaper and expires is not None and holds_through_run
             and not task.ignore_result and expires < task.unique_for):
@@ -363,12 +348,10 @@ def _eviction(policy: str | None, server: Durability | None, why: str) -> Iterat
 
 
 def lint_countdown(app: AppFacts, task: TaskFacts, countdown: float) -> Finding | None:
-    """W104 for one call published ``countdown`` seconds ahead (``eta`` included)."""
-    vt = app.visibility_timeout
-    if not vt or countdown <= vt:
-        return None
-    finding = _finding("W104", f"a call waits {_g(countdown)} for its countdown/eta, longer "
-                       f"than the broker's visibility_timeout ({_g(vt)}): the broker "
-                       "delivers the waiting message again to every worker in turn",
-                       task.name)
-    return None if _silenced(finding, app, {task.name: task}) else finding
+    """Always ``None``: ``W104`` (a countdown longer than the ``visibility_timeout``) is retired.
+
+    Kept so that tools calling it keep working: the copies such a broker
+    delivers again are refused by the run's records.
+    """
+    del app, task, countdown
+    return None

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 from celery._state import connect_on_app_finalize, get_current_app
-from celery.signals import before_task_publish, celeryd_after_setup, task_retry, worker_init
+from celery.signals import before_task_publish, celeryd_after_setup, worker_init
 from kombu.utils.url import maybe_sanitize_url
 
 from .app_urls import broker_url, result_backend
@@ -361,31 +361,6 @@ def lint_app(
         found += lint_server(facts, tasks, store_durability(app, timeout))
     runtime_for(app).linted.update(["", *(task.name for task in tasks)])
     return found
-
-
-@task_retry.connect(weak=False, dispatch_uid="celery_dedup.lint_retry")
-def _on_retry(sender: Any = None, **_: Any) -> None:
-    """W102 seen at run time: a ``start`` task that retries without declaring it.
-
-    A body calling ``self.retry()`` under Celery's default ``max_retries``
-    cannot be told from the task's options; its first retry in a process is.
-    """
-    if not isinstance(sender, DedupTask):
-        return
-    runtime = runtime_for(sender.app)
-    marker = f"{sender.name}\0retried"
-    if marker in runtime.linted:
-        return
-    runtime.linted.add(marker)
-    try:
-        facts, declared = app_facts(sender.app), task_facts(sender)
-    except Exception:  # an invalid option is reported where it is resolved
-        return
-    if declared.retries:  # reported from the declaration already
-        return
-    for finding in lint_config(facts, [task_facts(sender, retried=True)]):
-        if finding.id == "W102":
-            logger.warning("%s", finding.line())
 
 
 # -- dedup options where nothing reads them ----------------------------------------

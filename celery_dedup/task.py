@@ -31,7 +31,7 @@ from .identity import (
     lock_key,
 )
 from .lifecycle import Held, Outcome
-from .lint_calls import lint_call_delay, lint_first_call
+from .lint_calls import lint_first_call
 from .options import (
     OnDuplicate,
     OnKeyReuse,
@@ -439,10 +439,6 @@ class DedupTask(_Task):
         config = self.dedup_config()
         if self.name not in config.runtime.linted:
             lint_first_call(self, config.runtime)
-        if config.runtime.settings.visibility_timeout and (
-            options.get("countdown") or options.get("eta")
-        ):
-            lint_call_delay(self, config.runtime, options)
 
         def publish(task_id: str, header: LockHeader) -> Any:
             headers = {**(options.get("headers") or {}), HEADER: header.encode()}

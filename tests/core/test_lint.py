@@ -32,7 +32,6 @@ from celery_dedup.reaper import register_reaper
 from celery_dedup.runtime import runtime_for
 from tests.apps import cli_app
 from tests.apps.isolation import own_tasks_only
-from tests.core.conftest import wait_until
 from tests.fixtures.logs import DedupLog
 from tests.fixtures.memcached import MemcachedServer
 from tests.fixtures.redis import RedisServer, redis_configured
@@ -169,22 +168,16 @@ def test_w101_unique_for_shorter_than_the_time_limit(
         assert not {i for i, _ in found} & {"W101"}
 
 
-def test_w102_unique_until_start_on_a_task_that_retries(
+def test_w102_retired_unique_until_start_on_a_task_that_retries(
     monkeypatch: pytest.MonkeyPatch, dedup_log: DedupLog
 ) -> None:
-    """``start`` frees the key while a retry waits: autoretry_for or a max_retries it sets."""
-    bad = build("memory://", {
+    """Retired: a retry takes its key again when it is published, so the key is held while
+    it waits (tests/core/test_lint_scenarios.py runs the work once). Never reported."""
+    retrying = build("memory://", {
         "t.auto": {"unique_until": "start", "autoretry_for": (ValueError,)},
         "t.max": {"unique_until": "start", "max_retries": 5},
     })
-    good = build("memory://", {
-        "t.auto": {"unique_until": "success", "autoretry_for": (ValueError,)},
-        "t.max": {"unique_until": "start", "max_retries": 0},
-        "t.plain": {"unique_until": "start"},  # Celery's default max_retries is not "retries"
-    })
-    for found in everywhere(bad, monkeypatch, dedup_log):
-        assert {("W102", "t.auto"), ("W102", "t.max")} <= found
-    for found in everywhere(good, monkeypatch, dedup_log):
+    for found in everywhere(retrying, monkeypatch, dedup_log):
         assert "W102" not in {i for i, _ in found}
 
 
@@ -197,7 +190,7 @@ def test_idempotency_recipe_on_a_redis_broker_passes_the_lint(
     W103 (visibility_timeout shorter than unique_for) is retired: the copies
     such a broker delivers again are refused by the run records
     (tests/core/test_runs_once.py runs each body once under a 2 s timeout);
-    a run longer than the timeout is W105's.
+    so is a run longer than the timeout (W105, retired too).
     """
     recipe = {"unique_for": 86400, "unique_until": "expiry"}
     for options in ({}, {"broker_transport_options": {"visibility_timeout": 60}}):
@@ -213,42 +206,31 @@ def test_idempotency_recipe_on_a_redis_broker_passes_the_lint(
     assert via_check(silenced, monkeypatch) == (set(), 0)  # old settings keep working
 
 
-def test_w104_countdown_longer_than_the_visibility_timeout(redis_url: str) -> None:
-    """Observed at call time: a countdown (or eta) past the visibility_timeout, once per task."""
-    make = build("memory://", {"t.w104": {"unique_for": 60}}, broker=redis_url,
-                 broker_transport_options={"visibility_timeout": 60})
-    assert via_first_call(make, countdown=30) == set()
-    assert via_first_call(make, countdown=120) == {("W104", "t.w104")}
+def test_w104_and_w105_retired_a_broker_redelivering_sooner_than_the_work_ends(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch, dedup_log: DedupLog
+) -> None:
+    """Retired: a countdown past the visibility_timeout (W104) or an acks_late run longer
+    than it (W105) is delivered again, and each copy is refused by the run's records
+    (tests/core/test_runs_once.py, tests/core/test_lint_scenarios.py). Never reported."""
+    options = {"broker_transport_options": {"visibility_timeout": 60}}
+    make = build("memory://", {"t.w104": {"unique_for": 60}}, broker=redis_url, **options)
+    assert via_first_call(make, countdown=120) == set()
     later = datetime.now(timezone.utc) + timedelta(minutes=5)
-    assert via_first_call(make, eta=later) == {("W104", "t.w104")}
-    soon = datetime.now(timezone.utc) + timedelta(seconds=20)
-    assert via_first_call(make, eta=soon) == set()
+    assert via_first_call(make, eta=later) == set()
     app = make()
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            for n in range(3):
-                app.tasks["t.w104"].apply_async((), countdown=120 + n)
+            app.tasks["t.w104"].apply_async((), countdown=120)
     finally:
         _release_all(app)
         app.close()
-    assert [str(w.message)[:25] for w in caught if w.category is DedupLintWarning] == [
-        "celery-dedup W104 (task t"]
-
-
-def test_w105_acks_late_time_limit_longer_than_the_visibility_timeout(
-    redis_url: str, monkeypatch: pytest.MonkeyPatch, dedup_log: DedupLog
-) -> None:
-    """An acks_late run still going after the visibility_timeout is delivered again."""
-    options = {"broker_transport_options": {"visibility_timeout": 60}}
-    bad = build("memory://", {"t.w105": {"unique_for": 30, "acks_late": True,
-                                         "time_limit": 120}}, broker=redis_url, **options)
-    good = build("memory://", {"t.w105": {"unique_for": 30, "acks_late": False,
+    assert [w for w in caught if w.category is DedupLintWarning] == []
+    late = build("memory://", {"t.w105": {"unique_for": 30, "acks_late": True,
                                           "time_limit": 120}}, broker=redis_url, **options)
-    for found in everywhere(bad, monkeypatch, dedup_log):
-        assert ("W105", "t.w105") in found
-    for found in everywhere(good, monkeypatch, dedup_log):
-        assert "W105" not in {i for i, _ in found}
+    for found in everywhere(late, monkeypatch, dedup_log):
+        assert not {i for i, _ in found} & {"W104", "W105"}
+    assert {"W104", "W105"} <= RETIRED and not {"W104", "W105"} & set(RULES)
 
 
 def test_w106_redis_store_that_evicts(
@@ -388,25 +370,3 @@ def test_every_rule_has_a_fix_and_a_docs_entry() -> None:
         assert f"`{rule.id}`" in page and rule.fix in page, rule.id
 
 
-def test_w102_a_retry_seen_at_run_time(dedup_log: DedupLog) -> None:
-    """A ``start`` task whose body calls ``self.retry()`` is reported at its first retry."""
-    app = build("memory://", {})()
-    runs: list[int] = []
-
-    @app.task(base=DedupTask, name="t.retrying", unique_until="start", bind=True, shared=False)
-    def retrying(self: Any) -> None:
-        runs.append(self.request.retries)
-        if self.request.retries == 0:
-            raise self.retry(countdown=0)
-
-    try:
-        with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10):
-            assert ("W102", "t.retrying") not in _parse(dedup_log.warnings())
-            retrying.delay()
-            wait_until(lambda: runs == [0, 1], timeout=60)
-            wait_until(lambda: ("W102", "t.retrying") in _parse(dedup_log.warnings()), timeout=60)
-    finally:
-        _release_all(app)
-        app.close()
-    line = next(m for m in dedup_log.warnings() if "W102" in m)
-    assert "it called retry()" in line

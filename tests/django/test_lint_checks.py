@@ -69,8 +69,6 @@ def _reported(*args: str) -> set[tuple[str, str | None]]:
     return found
 
 
-VT = {"broker_transport_options": {"visibility_timeout": 60}}
-FAKE_REDIS_BROKER = "redis://127.0.0.1:9/0"  # never connected to by a check
 
 #: (id, the task it names or None, bad configuration, good configuration); the example
 #: project's shared tasks join these apps, so task findings are matched on "t.a"
@@ -79,14 +77,6 @@ CASES: list[tuple[str, str | None, tuple[str, Tasks, dict[str, Any]],
     ("W101", "t.a",
      ("django-db", {"t.a": {"unique_for": 10, "time_limit": 60}}, {}),
      ("django-db", {"t.a": {"unique_for": 60, "time_limit": 60}}, {})),
-    ("W102", "t.a",
-     ("memory://", {"t.a": {"unique_until": "start", "autoretry_for": (KeyError,)}}, {}),
-     ("memory://", {"t.a": {"unique_until": "success", "autoretry_for": (KeyError,)}}, {})),
-    ("W105", "t.a",
-     ("memory://", {"t.a": {"unique_for": 30, "acks_late": True, "time_limit": 120}},
-      {"broker": FAKE_REDIS_BROKER, **VT}),
-     ("memory://", {"t.a": {"unique_for": 30, "time_limit": 120}},
-      {"broker": FAKE_REDIS_BROKER, **VT})),
     ("W107", None,
      ("memory://", {"t.a": {"unique_until": "expiry"}}, {}),
      ("django-db", {"t.a": {"unique_until": "expiry"}}, {})),

@@ -45,7 +45,7 @@ id                      setting
 ``celery_dedup.W021``   the Celery app's task modules cannot be imported
 ``celery_dedup.E032``   ``CELERY_DEDUP_SILENCED_WARNINGS``
 ``celery_dedup.W101``…  the settings lint (``celery_dedup.lint``): W101,
-``celery_dedup.W109``   W102, W105, W108, W109 and the store-type cases of W107
+``celery_dedup.W109``   W108, W109 and the store-type cases of W107
                         once the Celery app is finalized; W106/I106 and
                         the Redis cases of W107/I107 ask the store's
                         server (``database`` tag, with E015)
