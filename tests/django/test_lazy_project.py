@@ -128,7 +128,7 @@ def test_a_refused_registration_leaves_the_app_unfinalized() -> None:
     app = Celery("lazy-refused", broker="memory://", set_as_current=False)
 
     @app.task(base=DedupTask, name="lazy.bad", unique_until="sometime")
-    def bad() -> None:
+    def lazy_refused_bad() -> None:
         """Refused at registration."""
 
     try:
@@ -141,3 +141,10 @@ def test_a_refused_registration_leaves_the_app_unfinalized() -> None:
             app.finalize()
     finally:
         app.close()
+        # A shared task (the default) would be registered in every app finalized later
+        # in this process, and refuse each.
+        from celery import _state
+
+        for finalizer in list(_state._on_app_finalizers):
+            if getattr(finalizer, "__name__", "") == "lazy_refused_bad":
+                _state._on_app_finalizers.discard(finalizer)

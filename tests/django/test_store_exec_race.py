@@ -34,7 +34,7 @@ from tests.fixtures.redis import RedisServer
 
 __all__ = ["maria_alias", "store_django_maria"]
 
-pytestmark = [pytest.mark.slow, pytest.mark.django_db_store, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.slow, pytest.mark.django_db_store, pytest.mark.timeout(240)]
 
 PRODUCERS = 8
 KEYS = 200
