@@ -117,8 +117,12 @@ def settle_owner(
 
 
 def cap_eta(options: MutableMapping[str, Any], start: float, max_wait: float,
-            now: Callable[[], float] = time.time) -> bool:
-    """Cap the call's ``countdown``/``eta`` at ``start + max_wait``; whether it was capped."""
+            now: Callable[[], float] = time.time, floor: float | None = None) -> bool:
+    """Cap the call's ``countdown``/``eta`` at ``start + max_wait``; whether it was capped.
+
+    Never earlier than ``floor`` (a place the call reserved in a rate window:
+    running before it would exceed the rate).
+    """
     countdown, eta = options.get("countdown"), options.get("eta")
     if countdown:
         wanted = now() + float(countdown)
@@ -129,7 +133,7 @@ def cap_eta(options: MutableMapping[str, Any], start: float, max_wait: float,
         wanted = when.timestamp()
     else:
         return False
-    cap = start + max_wait
+    cap = max(start + max_wait, floor or 0.0)
     if wanted <= cap:
         return False
     options.pop("countdown", None)

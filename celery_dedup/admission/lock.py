@@ -76,7 +76,9 @@ class LockStep:
                     owner, start = debounce.settle_owner(
                         store, key, owner, adm.previous, ttl, meta, now, revoked_ttl
                     )
-                    capped = debounce.cap_eta(options, start, max_wait)
+                    capped = debounce.cap_eta(
+                        options, start, max_wait, floor=adm.notes.get("rate_place")
+                    )
             elif cancels:
                 adm.cancelled = cancel.cancel_and_acquire(
                     task, store, key, owner, ttl, meta,
@@ -167,12 +169,7 @@ def restore(
     try:
         store.unrevoke(key, previous.owner)
     except StoreError as exc:
-        logger.warning(
-            "celery-dedup: could not restore the lock of %s[%s] after a failed replace: %s",
-            task.name,
-            previous.task_id,
-            exc,
-        )
+        _not_restored(task, previous, exc)
         release()
         return
     release()
@@ -185,12 +182,7 @@ def restore(
         }
         holder = store.acquire(key, previous.owner, max(previous.ttl, 1.0), meta)
     except StoreError as exc:
-        logger.warning(
-            "celery-dedup: could not restore the lock of %s[%s] after a failed replace: %s",
-            task.name,
-            previous.task_id,
-            exc,
-        )
+        _not_restored(task, previous, exc)
         return
     if holder is not None:
         # Another call took the free key first: its message runs the work.
@@ -200,3 +192,12 @@ def restore(
             previous.task_id,
             holder.task_id,
         )
+
+
+def _not_restored(task: Any, previous: Lock, exc: StoreError) -> None:
+    logger.warning(
+        "celery-dedup: could not restore the lock of %s[%s] after a failed replace: %s",
+        task.name,
+        previous.task_id,
+        exc,
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from .. import rates
@@ -81,6 +82,8 @@ class RateStep:
         if answer.admitted:
             adm.notes["rate"] = _Counted(counter, rate_key, answer.entry or adm.task_id)
             rates.delayed(adm.task, adm.options, answer.wait)
+            if answer.wait > 0:
+                adm.notes["rate_place"] = time.time() + answer.wait
         return answer
 
 

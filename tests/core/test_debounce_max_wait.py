@@ -220,3 +220,38 @@ def test_two_producers_taking_the_key_again_at_once_both_publish(store_app: Cele
     assert not results["a"].deduplicated and not results["b"].deduplicated
     held = inspect_lock(results["b"].deduplication_key, app=app)
     assert held is not None and held.owner == owner_of(results["b"])
+
+
+def test_the_cap_never_runs_a_call_before_its_place_in_a_rate_window(
+    store_app: Celery, redis_server: Any
+) -> None:
+    """``replace`` + ``debounce_max_wait`` + ``rate_limit_per_key`` with ``on_rate_limit="delay"``:
+    a call the full window delays keeps its place even past the cap (the rate wins)."""
+    import json
+    from datetime import datetime
+
+    app = store_app
+
+    @app.task(
+        base=DedupTask,
+        shared=False,
+        unique_for=600,
+        on_duplicate="replace",
+        debounce_max_wait=1,
+        unique_on=("doc",),
+        rate_limit_per_key="1/m",
+        rate_key="{doc}",
+        on_rate_limit="delay",
+    )
+    def edit(doc: int, version: int) -> int:
+        return version
+
+    sent = time.time()
+    edit.apply_async((1, 1), countdown=0.5)  # the window's one place: now
+    second = edit.apply_async((1, 2), countdown=0.5)  # replaces it; its place: a minute on
+    queue = app.conf.task_default_queue
+    with redis_server.client(3) as client:
+        headers = [json.loads(raw)["headers"] for raw in client.lrange(queue, 0, -1)]
+    mine = next(h for h in headers if h["id"] == second.id)
+    eta = datetime.fromisoformat(mine["eta"]).timestamp()
+    assert eta >= sent + 59, eta - sent  # not start + max_wait (a second on)
