@@ -13,7 +13,9 @@ lock, a full rate window reserves the call's place (a countdown).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 from ..options import OnDuplicate
@@ -25,9 +27,24 @@ if TYPE_CHECKING:
     from ..task import DedupTask
 
 __all__ = [
-    "in_canvas", "is_canvas", "keeps_duplicate", "lets_in", "must_not_raise", "protected",
-    "takes_over",
+    "from_commit_hook", "in_canvas", "is_canvas", "keeps_duplicate", "lets_in",
+    "must_not_raise", "protected", "takes_over",
 ]
+
+#: set while a transaction's commit hook publishes (``delay_on_commit``): its
+#: caller got ``None`` long ago, and a refusal raised there would abort the
+#: commit's later hooks (other calls' publishes among them)
+_COMMIT_HOOK: ContextVar[bool] = ContextVar("celery_dedup_commit_hook", default=False)
+
+
+@contextmanager
+def from_commit_hook() -> Iterator[None]:
+    """Publish as a transaction's commit hook: refusals follow the worker-side rules."""
+    token = _COMMIT_HOOK.set(True)
+    try:
+        yield
+    finally:
+        _COMMIT_HOOK.reset(token)
 
 
 def is_canvas(options: Mapping[str, Any]) -> bool:
@@ -57,8 +74,9 @@ def takes_over(policy: OnDuplicate, options: Mapping[str, Any]) -> bool:
 
 
 def must_not_raise(task: DedupTask, options: Mapping[str, Any]) -> bool:
-    """Inside a worker or beat, raising would fail the parent task or the schedule."""
-    return task.app.current_worker_task is not None or bool(
+    """Inside a worker or beat, raising would fail the parent task or the schedule; in a
+    commit hook it would abort the hooks after it."""
+    return _COMMIT_HOOK.get() or task.app.current_worker_task is not None or bool(
         (options.get("headers") or {}).get("celery_beat_task")
     )
 

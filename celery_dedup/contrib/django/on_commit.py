@@ -24,6 +24,12 @@ Which pending call wins:
   different arguments is judged by ``on_key_reuse`` at the call
   (``KeyReuseError`` is raised there, before anything is registered).
 
+At commit the publish follows the worker-side rules (``admission.canvas``):
+its caller got ``None`` long ago and an exception would abort the commit's
+later hooks, so no refusal raises there: a call over its rate waits for its
+place in the window, a duplicate under ``on_duplicate="raise"`` answers the
+holder's handle.
+
 A call that takes no lock (``unique_for=None``, ``identity="always_unique"``
 without a key) is never folded. Outside ``atomic()`` the call is left to
 ``transaction.on_commit``: made at once under autocommit.
@@ -38,6 +44,7 @@ from celery.utils import uuid
 from django.db import transaction
 
 from ... import events
+from ...admission.canvas import from_commit_hook
 from ...key_reuse import differ, fingerprint, report
 from ...options import OnDuplicate, ResolvedOptions, pop_call_options
 
@@ -79,7 +86,8 @@ class _Pending:
 
     def __call__(self) -> None:
         self.ran = True
-        self.result = self.task.apply_async(self.args, self.kwargs, **self.options)
+        with from_commit_hook():
+            self.result = self.task.apply_async(self.args, self.kwargs, **self.options)
 
 
 def on_commit(
@@ -110,7 +118,7 @@ def on_commit(
         queue = task.routed_queue(call_options, args, kwargs)
         key = task.dedup_key(args, kwargs, call, queue, call_options.get("serializer"))
     if key is None:
-        connection.on_commit(lambda: task.apply_async(args, kwargs, **options))
+        connection.on_commit(lambda: _publish(task, args, kwargs, options))
         return
     serializer = str(options.get("serializer") or config.serializer)
     mine = fingerprint(config.binder, args, kwargs, serializer)
@@ -131,6 +139,13 @@ def on_commit(
     connection.on_commit(hook)
     index[key] = hook
     _remember(connection, index)
+
+
+def _publish(
+    task: Any, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None, options: Any
+) -> None:
+    with from_commit_hook():
+        task.apply_async(args, kwargs, **options)
 
 
 def _fold(
