@@ -1,5 +1,5 @@
 """The composition matrix's ``on_commit`` column (issue 31): ``delay_on_commit`` under every
-``on_duplicate`` × limit × id scheme, on a Redis and a PostgreSQL lock store.
+``on_duplicate``, limit and id scheme, on a Redis and a PostgreSQL lock store.
 
 Inside ``transaction.atomic()`` a call, a call of other arguments under the
 same rate key, and the first call again: nothing is published before the
@@ -8,8 +8,9 @@ one folded), no refusal raises out of the commit (a call over its rate
 waits for its place: the caller got ``None`` and an exception would abort
 the commit's later hooks), and the rate window counts exactly the messages
 published. The first call again in a later transaction is a duplicate at
-its commit: answered without raising, or taking the key over per policy. A rolled-back transaction publishes nothing and leaves no lock
-and no window entry. Messages are counted with ``after_task_publish``.
+its commit: answered without raising, or taking the key over per policy.
+A rolled-back transaction publishes nothing and leaves no lock and no
+window entry. Messages are counted with ``after_task_publish``.
 """
 
 from __future__ import annotations
