@@ -24,7 +24,10 @@ from celery.signals import task_received
 
 from celery_dedup import DedupTask, inspect_lock, release
 from celery_dedup.lint import RETIRED, RULES
+from celery_dedup.reaper import reap, register_reaper
+from celery_dedup.runtime import runtime_for
 from celery_dedup.startup import lint_app
+from celery_dedup.stores.redis import RedisStore
 from tests.fixtures._servers import running
 from tests.fixtures.memcached import MemcachedServer
 from tests.fixtures.redis import RedisServer, redis_configured, start_redis
@@ -77,9 +80,8 @@ def ids(app: Celery) -> set[str]:
 def test_every_rule_has_a_scenario_here_or_is_retired() -> None:
     """A new rule needs its scenario in this file (or a reason it names no hole)."""
     source = Path(__file__).read_text()
-    # W103's scenario: tests/core/test_runs_once.py. W108's (a holder killed after its
-    # result was stored, the result expired before the reaper ran) is still to be written.
-    for rule in {*RULES, *RETIRED} - {"W103", "W108"}:
+    # W103's scenario: tests/core/test_runs_once.py.
+    for rule in {*RULES, *RETIRED} - {"W103"}:
         if rule.startswith("W"):
             assert f"def test_{rule.lower()}_" in source, rule
     assert {"W102", "W103", "W104", "W105"} <= RETIRED
@@ -426,3 +428,63 @@ def test_w104_retired_a_countdown_longer_than_the_visibility_timeout_runs_once(
     assert events(runs) == ["start:1"]
     assert inspect_lock(result.deduplication_key, app=app) is None
     assert {"W104", "W105"} <= RETIRED and not {"W104", "W105"} & set(RULES)
+
+
+# W108 ---------------------------------------------------------------------
+
+
+def _w108(app: Celery, runs: redis.Redis) -> Any:
+    register_reaper(app)
+
+    @app.task(base=DedupTask, shared=False, name="s.invoice", unique_for=300,
+              unique_until="finish")
+    def invoice(x: int) -> int:
+        runs.rpush("runs", f"run:{x}")
+        return x
+
+    return invoice
+
+
+class _ReleaseLost(RedisStore):
+    """A store whose end-of-run writes are lost (the worker was killed as the store
+    stalled, after the backend stored the result): the holder's lock stays."""
+
+    def end_run(self, *args: Any, **kwargs: Any) -> bool:
+        return False
+
+    def release(self, key: str, owner: str) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("result_expires", [1, None])
+def test_w108_a_result_gone_before_the_reaper_keeps_a_finished_holders_lock(
+    app_factory: AppFactory, worker_for: Any, runs: redis.Redis, redis_server: RedisServer,
+    result_expires: int | None,
+) -> None:
+    """The holder ran and its SUCCESS was stored, but its lock was left behind. With
+    ``result_expires`` (1 s) shorter than ``unique_for`` the result is gone when the
+    reaper looks: the lock stays and the next call is refused for unique_for; with
+    results kept, the reaper frees it and the next call runs."""
+    app = app_factory(f"w108-{result_expires}", result_expires=result_expires)
+    invoice = _w108(app, runs)
+    assert ("W108" in ids(app)) is (result_expires is not None)
+    store = runtime_for(app).store
+    assert store is not None
+    runtime_for(app).use_store(_ReleaseLost.from_url(redis_server.url(4), app=app))
+    worker_for(app)
+    first = invoice.delay(1)
+    assert first.get(timeout=30) == 1
+    runtime_for(app).use_store(store)
+    assert inspect_lock(first.deduplication_key, app=app) is not None  # left behind
+    if result_expires is not None:
+        wait_until(lambda: app.backend.get(app.backend.get_key_for_task(first.id)) is None,
+                   timeout=30)
+    reaped = {lock.task_id for lock in reap(app)}
+    again = invoice.delay(1)
+    if result_expires is not None:
+        assert reaped == set() and again.deduplicated is True  # the hole
+        assert events(runs) == ["run:1"]
+    else:
+        assert reaped == {first.id} and again.deduplicated is False
+        assert again.get(timeout=30) == 1
+        assert events(runs) == ["run:1", "run:1"]
