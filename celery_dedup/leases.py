@@ -41,8 +41,8 @@ _held: dict[str, float] = {}
 _held_lock = threading.Lock()
 
 #: Ends of runs this process could not record yet: ``(store, run, lease,
-#: end)``, retried by the renewer, their lease kept meanwhile.
-_pending: list[tuple[LockStore, RunRef, float, Callable[[], object]]] = []
+#: end, given up at)``, retried by the renewer, their lease kept meanwhile.
+_pending: list[tuple[LockStore, RunRef, float, Callable[[], object], float]] = []
 
 
 class _Renewer:
@@ -97,13 +97,25 @@ def forget(run: RunRef) -> None:
         _held.pop(run.token, None)
 
 
-def pending_end(store: LockStore, run: RunRef, lease: float, end: Callable[[], object]) -> None:
+def pending_end(
+    store: LockStore,
+    run: RunRef,
+    lease: float,
+    end: Callable[[], object],
+    patience: float | None = None,
+) -> None:
     """Keep ``run``'s lease alive and call ``end`` each pass until it returns without
     raising: the end of a run this process could not record (the store did not answer).
+
+    Given up (an ERROR log line) after ``patience`` seconds (default: never),
+    the done marker's own life: past it a copy would be accepted even had the
+    marker landed.
     """
+    now = time.monotonic()
+    given_up_at = now + patience if patience is not None else float("inf")
     with _held_lock:
-        _held[run.token] = time.monotonic()
-        _pending.append((store, run, lease, end))
+        _held[run.token] = now
+        _pending.append((store, run, lease, end, given_up_at))
     _renewer.start(lease)
 
 
@@ -121,7 +133,7 @@ def _active_runs() -> dict[tuple[int, float], tuple[LockStore, list[RunRef]]]:
         if found is not None:
             store, run, lease = found
             groups.setdefault((id(store), lease), (store, []))[1].append(run)
-    for store, run, lease, _ in list(_pending):
+    for store, run, lease, _, _ in list(_pending):
         groups.setdefault((id(store), lease), (store, []))[1].append(run)
     return groups
 
@@ -167,8 +179,10 @@ def _retry_pending() -> None:
         try:
             entry[3]()
         except Exception as exc:  # still no answer: the lease is kept, tried next pass
-            logger.debug("celery-dedup: the end of a run still waits for the store: %s", exc)
-            continue
+            if time.monotonic() < entry[4]:
+                logger.debug("celery-dedup: the end of a run still waits for the store: %s", exc)
+                continue
+            logger.error("celery-dedup: gave up recording the end of a run: %s", exc)
         with _held_lock:
             if entry in _pending:
                 _pending.remove(entry)

@@ -16,7 +16,6 @@ import hashlib
 import hmac
 import logging
 import threading
-import time
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -605,12 +604,13 @@ def _end_quietly(
     """End this attempt's run (done marker) and release or settle its lock in one step.
 
     A store error is logged, never raised. With ``persist`` (the pool child
-    ending a run whose claim landed) the end is tried again until the store
-    records it: the request stays active meanwhile, so the worker's main
-    process keeps its lease alive (and takes it back if it lapsed) and
-    copies keep waiting; a done marker is never lost to a store that did
-    not answer. Otherwise a release that did not land is retried as soon as
-    the store answers.
+    ending a run whose claim landed) the end is handed to this process's
+    lease keeper (``leases.pending_end``): it keeps the run's lease alive
+    (taking it back if it lapsed) and records the end as soon as the store
+    answers, so copies keep waiting and a done marker is never lost to a
+    store that did not answer, while the body's result is stored at once.
+    Otherwise a release that did not land is retried as soon as the store
+    answers.
     """
     run = held.run
     assert run is not None
@@ -633,33 +633,16 @@ def _end_quietly(
             ": its lease is kept until it can" if persist and not held.unchecked else "",
         )
         if persist and not held.unchecked:
-            return _end_when_the_store_answers(end, done_ttl)
+            # Never blocking the body's result: this process's lease keeper
+            # renews (or takes back) the run's lease and retries the end each
+            # pass until the store records it, so copies keep waiting.
+            lease = task.dedup_config().runtime.settings.lease_ttl
+            leases.pending_end(held.store, run, lease, end, done_ttl)
+            return False
         if release:
             runtime = task.dedup_config().runtime
             runtime.add_orphan(held.key, held.owner, runtime.settings.revoked_ttl)
         return False
-
-
-def _end_when_the_store_answers(end: Callable[[], bool], patience: float) -> bool:
-    """Try ``end`` again, backing off (0.2 s doubling to 5 s), until it lands.
-
-    Gives up (logged) after ``patience`` seconds, the done marker's own
-    life: past it a copy would be accepted even had the marker landed.
-    """
-    deadline = time.monotonic() + patience
-    wait = 0.2
-    while True:
-        time.sleep(wait)
-        try:
-            answer = end()
-        except StoreError as exc:
-            if time.monotonic() + wait > deadline:
-                logger.error("celery-dedup: gave up recording the end of a run: %s", exc)
-                return False
-            wait = min(wait * 2, 5.0)
-            continue
-        logger.warning("celery-dedup: recorded the end of a run once the store answered")
-        return answer
 
 
 def _abandon_run(task: DedupTaskLike, store: LockStore, run: RunRef) -> None:
@@ -979,7 +962,7 @@ def _end_from_main_process(task: DedupTaskLike, held: Held, lease: float, releas
         if releases:
             held.store.release(held.key, held.owner)
 
-    leases.pending_end(held.store, run, lease, end)
+    leases.pending_end(held.store, run, lease, end, done_ttl)
     return False
 
 

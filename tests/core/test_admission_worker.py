@@ -62,6 +62,8 @@ POLICIES = ("existing", "raise", "replace", "keep_last", "cancel_running")
 LIMITS = ("none", "rate", "rate_callable", "concurrency", "concurrency_callable")
 BASES = ("dedup", "flask")
 PATHS = ("chain", "chord", "retry", "send_task")
+#: seconds the ``send_task`` path's call holds its key before it runs
+SEND_TASK_HOLD = 30
 IDS = ("random", "deterministic", "caller")
 
 
@@ -208,7 +210,9 @@ class Lab:
             elif case.path == "retry":
                 case.results.append(job.delay(user, 1, "retry"))
             elif case.path == "send_task":
-                case.results.append(job.apply_async((user, 1), countdown=3))
+                # Held long enough that the copy is handled while it holds the key,
+                # however long the worker's backlog of every case's messages is.
+                case.results.append(job.apply_async((user, 1), countdown=SEND_TASK_HOLD))
                 case.results.append(self.app.send_task(job.name, args=[user, 1]))
             else:
                 case.results.append(
@@ -251,7 +255,7 @@ def lab(redis_server: RedisServer) -> Iterator[Lab]:
             for result in case.results:
                 if case.path != "send_task":
                     result.get(timeout=120, propagate=False)
-        # The last ETA (3 s) and every delayed or deferred copy: run out.
+        # The last ETA (SEND_TASK_HOLD) and every delayed or deferred copy: run out.
         wait_until(lab.idle, timeout=120, interval=0.2)
         wait_until(lab.idle, timeout=120, interval=0.2)  # (a retry republished meanwhile)
         yield lab
