@@ -927,21 +927,23 @@ class RedisStore(RedisLimits):
 
     def peek_run(self, run: RunRef) -> RunOutcome | None:
         """Read the attempt's run record (one EVALSHA of a GET: the store's timeouts apply)."""
-        raw = self._run(self._peek, [self._run_record(run)], [])
-        if raw is None:
+        value = self._run_record_value(run)
+        if value is None:
             return None
-        value = raw.decode() if isinstance(raw, bytes) else str(raw)
         if value.startswith("D"):
             return RunOutcome.DONE
         return RunOutcome.BEGUN if value[1:] == run.token else RunOutcome.RUNNING
 
-    def lease_token(self, run: RunRef) -> str | None:
-        """The token of the attempt's live lease (the same read as ``peek_run``)."""
+    def _run_record_value(self, run: RunRef) -> str | None:
         raw = self._run(self._peek, [self._run_record(run)], [])
         if raw is None:
             return None
-        value = raw.decode() if isinstance(raw, bytes) else str(raw)
-        return None if value.startswith("D") else value[1:]
+        return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+    def lease_token(self, run: RunRef) -> str | None:
+        """The token of the attempt's live lease (the same read as ``peek_run``)."""
+        value = self._run_record_value(run)
+        return None if value is None or value.startswith("D") else value[1:]
 
     def revoke(self, key: str, owner: str, ttl: float) -> RevokeOutcome:
         """Mark ``owner`` revoked; release its lock unless started (one EVALSHA)."""
