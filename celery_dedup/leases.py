@@ -28,7 +28,7 @@ from typing import Any
 from .runs import record_life, records_of
 from .stores.base import LockStore, RunRef
 
-__all__ = ["forget", "lease_of", "pending_end", "pending_ends", "remember", "renew_active"]
+__all__ = ["began", "forget", "lease_of", "pending_end", "pending_ends", "remember", "renew_active"]
 
 logger = logging.getLogger("celery_dedup")
 
@@ -89,6 +89,17 @@ def lease_of(request: Any) -> tuple[LockStore, RunRef, float] | None:
     """The ``(store, run, lease)`` attached to a received request, if any."""
     found: tuple[LockStore, RunRef, float] | None = getattr(request, _ATTR, None)
     return found
+
+
+def began(run: RunRef) -> bool:
+    """Whether a renewal in this process found ``run`` holding its lease: it began.
+
+    A request of a message that was deferred (a full concurrency key, a
+    ``keep_last`` follow-up waiting for the run gate) stays active until its
+    pool child reports, yet never held a lease: it is no live run.
+    """
+    with _held_lock:
+        return run.token in _held
 
 
 def forget(run: RunRef) -> None:

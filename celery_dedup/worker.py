@@ -1340,7 +1340,9 @@ def copy_of_a_run(
 
     A copy (deferred, or delivered again) shares its run's task id and owner
     token; the run's record says whether that run is live or done. The
-    worker's own active requests are asked first (no round trip).
+    worker's own active requests whose run began (its lease was seen held)
+    are asked first (no round trip): an active request that is only being
+    deferred is no live run, and its copies end as Celery ends them.
     """
     assert header.key is not None
     task_id = str(request.id)
@@ -1358,6 +1360,7 @@ def copy_of_a_run(
             and found[1].owner == owner
             and found[1].attempt == attempt
             and found[1].token != getattr(request, runs.DELIVERY_FIELD, None)
+            and leases.began(found[1])
         ):
             return True
     token = str(getattr(request, runs.DELIVERY_FIELD, None) or "")

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import redis
 from celery import states
+from celery.signals import task_postrun
 
 from celery_dedup import DedupTask, inspect_lock
 from tests.fixtures.redis import RedisServer
@@ -96,6 +97,14 @@ def fragile(x: int) -> int:
         time.sleep(6)
     record(f"end:{x}")
     return x
+
+
+@task_postrun.connect
+def linger_after_a_deferral(state: str = "", args: object = (), **_: object) -> None:
+    """With ``linger`` set, a deferred ``sync(1)`` stays active in its worker for 3 s
+    after publishing its copy: the copy arrives while the original is still active."""
+    if state == states.IGNORED and list(args or ()) == [1] and _redis().get("linger"):
+        time.sleep(3)
 
 
 @pytest.fixture(params=["redis", "postgres"])
@@ -185,6 +194,33 @@ def test_a_call_while_only_a_queued_message_holds_the_key_replaces_it(
     for call in calls[:-1]:
         wait_until(lambda call=call: call.state == states.REVOKED, timeout=60)
         assert call.get(timeout=30) == 7  # the run that covered the call
+
+
+def test_a_replaced_follow_up_whose_copy_arrives_while_it_is_deferred_ends_revoked(
+    worker: Worker, redis_server: RedisServer
+) -> None:
+    """A follow-up waiting for the run gate is deferred again and again; a later call
+    replaces it (revoking its id) while a deferred copy is on its way and the deferring
+    request is still active: the copy is dropped as Celery drops a revoked message (the
+    follow-up ends REVOKED), never quietly as if a run of it were live."""
+    worker.start()
+    first = sync.delay(0)
+    wait_until(lambda: "start:0" in logged(redis_server), timeout=60)
+    with redis_server.client(RUNS_DB) as client:
+        client.set("linger", "1")
+    follow_up = sync.delay(1)
+    # The replacing call lands while the first deferred copy's countdown runs.
+    wait_until(lambda: f"[{follow_up.id}] deferred" in worker.text(), timeout=60, interval=0.01)
+    last = sync.delay(2)
+    wait_until(lambda: f"Discarding revoked task: last.sync[{follow_up.id}]" in worker.text(),
+               timeout=60)
+    release_first_run(redis_server)
+    assert first.get(timeout=60) == 0
+    assert last.get(timeout=90) == 2
+    wait_until(lambda: follow_up.state == states.REVOKED, timeout=60)
+    settle()
+    assert logged(redis_server) == ["start:0", "end:0", "start:2", "end:2"]
+    assert "its run is live or done" not in worker.text()
 
 
 def test_a_follow_up_whose_pool_child_is_sigkilled_still_runs_once(

@@ -471,10 +471,13 @@ class _Checker:
                 # hold is the retry's, not ended by this replace.
                 retook = any(e.outcome == "retry" and e.t > other.call.t0 for e in h.of("end"))
                 # A keep_last follow-up whose lock expired before it could keep it
-                # alive was not revoked by a later call that found the key free:
-                # its start claim takes the key again.
+                # alive, or a copy of a ``success``/``finish`` message redelivered
+                # after its worker died and its lock expired, was not revoked by
+                # a later call that found the key free: its start claim takes
+                # the key again (once the replacement released it).
+                retakes = call.keep_last or until in ("success", "finish")
                 retook = retook or (
-                    call.keep_last and any(e.t > other.call.t0 for e in h.of("start"))
+                    retakes and any(e.t > other.call.t0 for e in h.of("start"))
                 )
                 if not retook:
                     latest = min(latest, other.call.t1)

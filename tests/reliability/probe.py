@@ -33,7 +33,18 @@ from celery_dedup.signals import task_skipped
 from celery_dedup.stores.base import LockStore
 from celery_dedup.worker import header_in
 
-from .model import Call, Event, Finding, Revoke, Scan, Seen, Trace, check, unfinished
+from .model import (
+    Call,
+    Event,
+    Finding,
+    Holding,
+    Revoke,
+    Scan,
+    Seen,
+    Trace,
+    check,
+    unfinished,
+)
 
 __all__ = [
     "TASK_PREFIX",
@@ -111,6 +122,49 @@ class Recorder:
             events=[Event(**json.loads(r)) for r in raw["events"]],
             scans=[_scan(json.loads(r)) for r in raw["scans"]],
         )
+
+    def drained(
+        self,
+        timeout: float,
+        logs: Callable[[], Sequence[str]] = lambda: (),
+        excused: Callable[[Holding], bool] = lambda _: False,
+    ) -> Trace:
+        """The trace once every published message is final, polled each second.
+
+        On a timeout the assertion names each unfinished message with its
+        events and the worker log lines that mention its task id (``logs``:
+        the workers' log texts), so a stuck or lost message can be told from
+        a slow machine. ``excused`` messages are not waited for (a fault that
+        loses messages as plain Celery does: the caller judges them).
+        """
+
+        def drained() -> bool:
+            return all(excused(h) for h in unfinished(self.trace()))
+
+        try:
+            poll(drained, timeout, interval=1.0, what="queue drained")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.diagnose(logs())}") from None
+        return self.trace()
+
+    def diagnose(self, logs: Sequence[str] = (), limit: int = 10) -> str:
+        """The unfinished messages, their events and their log lines, for a failure message."""
+        left = unfinished(self.trace())
+        lines = [f"{len(left)} unfinished messages; the first {min(limit, len(left))}:"]
+        for holding in left[:limit]:
+            call = holding.call
+            lines.append(f"* {call.task_id} key {call.key} at {call.t0:.2f} until {call.until}")
+            lines.extend(
+                f"    {e.t:.2f} {e.kind} {e.outcome} retries={e.retries} pid={e.pid}"
+                for e in sorted(holding.events, key=lambda e: e.t)
+            )
+            lines.extend(
+                f"    log: {line.strip()[:300]}"
+                for text in logs
+                for line in text.splitlines()
+                if call.task_id in line
+            )
+        return "\n".join(lines)
 
     def settled(self, timeout: float = 60) -> Trace:
         """The trace once every published message has a final record."""

@@ -120,6 +120,25 @@ def test_replace_takes_over_but_the_replaced_message_must_not_run() -> None:
     assert check(claimed_before) == []
 
 
+def test_a_redelivered_copy_retakes_a_key_its_replacement_released() -> None:
+    """A's worker died mid-run, A's lock expired, B found the key free and ran;
+    A's redelivered copy then takes the key again for its run: no leak."""
+    calls = [
+        published(0.0, "A", "ta", unique_for=1.5),
+        published(3.0, "B", "tb", replace=True, unique_for=1.5),
+    ]
+    killed = [Event("prerun", "ta", "A", 0.2), Event("start", "ta", "A", 0.21)]
+    seen = scan(3.6, ("ta", "A", 5.0))
+    again = Trace(
+        calls=calls, events=[*killed, *run("tb", "B", 3.1, 0.1), *run("ta", "A", 3.5)],
+        scans=[seen],
+    )
+    assert check(again) == []
+    # Without a start after B's call, A's lock had to be gone by B's publish.
+    no_run = Trace(calls=calls, events=[*killed, *run("tb", "B", 3.1, 0.1)], scans=[seen])
+    assert Kind.LEAK in kinds(no_run)
+
+
 def test_a_keep_last_follow_up_must_not_run_beside_the_run_it_follows() -> None:
     """The follow-up takes the lock over while A runs; its body must wait for A's end."""
     calls = [

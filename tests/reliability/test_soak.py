@@ -19,13 +19,14 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import redis
 
 from celery_dedup.stores import store_from_url
 from tests.fixtures._store_case import StoreCase
 
 from .apps import CALL_OVERRIDE
 from .conftest import Backends
-from .model import Kind, Trace, check, summary, unfinished
+from .model import Holding, Kind, Trace, check, summary, unfinished
 from .probe import Recorder, Scanner, poll, scan_once
 from .workers import WorkerPool
 from .workloads import SoakPlan, produce, send_malformed
@@ -118,7 +119,7 @@ def test_soak_finds_no_violation(
             process.join(plan.calls / plan.rate + 120)
             assert process.exitcode == 0, f"producer exited with {process.exitcode}"
         # A copy of a killed run waits for its lease record: two leases (60 s each).
-        poll(lambda: not unfinished(recorder.trace()), 180, interval=1.0, what="queue drained")
+        recorder.drained(180, workers.log_texts)
     scan_once(store, PREFIX, recorder)
     trace = recorder.trace()
     (tmp_path / "trace.json").write_text(trace.to_json())
@@ -223,13 +224,17 @@ def test_soak_under_worker_faults(
             )
         )
     killer: threading.Thread | None = None
+    #: when the crash fault's SIGKILL was sent and when the worker was reaped
+    killed: list[float] = []
     if fault == "crash":
         victim = pool[0]
         kill_at = start_at + random.Random(plan.seed).uniform(0.3, 0.6) * duration
 
         def crash() -> None:
             time.sleep(max(0.0, kill_at - time.time()))
+            killed.append(time.time())
             victim.kill()
+            killed.append(time.time())
             victim.start()
 
         killer = threading.Thread(target=crash, name="rel-crash", daemon=True)
@@ -244,10 +249,15 @@ def test_soak_under_worker_faults(
         if killer is not None:
             killer.join(120)
             assert not killer.is_alive(), "the crashed worker did not restart"
-        poll(lambda: not unfinished(recorder.trace()), 180, interval=1.0, what="queue drained")
+        broker = str(conf["broker_url"])
+        recorder.drained(
+            180, workers.log_texts, lambda h: lost_at_the_kill(h, killed, broker)
+        )
     scan_once(store, PREFIX, recorder)
     trace = recorder.trace()
     (tmp_path / "trace.json").write_text(trace.to_json())
+    lost = {h.call.task_id for h in unfinished(trace) if lost_at_the_kill(h, killed, broker)}
+    assert len(lost) <= 1, f"more than the one message a consumer pops at a time: {lost}"
     malformed = [m["task_id"] for m in recorder.marks("malformed")]
     assert len(malformed) == malformed_count
     if malformed:
@@ -268,8 +278,15 @@ def test_soak_under_worker_faults(
         # holding its message: the copy comes back after the visibility
         # timeout and the dead run's lease (documented in guarantees.md).
         findings = [f for f in findings if f.kind is not Kind.LATE]
+        # A message kombu's Redis transport handed to the killed worker at the
+        # instant of the kill is lost as in plain Celery (documented).
+        findings = [
+            f for f in findings
+            if not (f.kind is Kind.LOST and f.detail.split(" ", 1)[0] in lost)
+        ]
     report = (
-        f"{fault}: seed {plan.seed}, __call__ override {override}, {scanner.count} scans; "
+        f"{fault}: seed {plan.seed}, __call__ override {override}, {scanner.count} scans, "
+        f"{len(lost)} lost at the kill; "
         f"{describe(trace)}"
     )
     assert not findings, f"{summary(findings)}\n{report}\ntrace: {tmp_path / 'trace.json'}"
@@ -279,9 +296,37 @@ def test_soak_under_worker_faults(
     kinds = Counter(e.kind for e in trace.events)
     assert kinds["received"] > 0 and kinds["start"] > 0, report
     if fault == "malformed":
-        logged = "".join(w.log.read_text(errors="replace") for w in pool)
+        logged = "".join(workers.log_texts())
         assert all(logged.count(f"[{t}] carries a malformed header") >= 1 for t in malformed)
     if fault == "crash":
         # The kill interrupted work: some message was delivered again.
         received = Counter((e.token, e.retries) for e in trace.events if e.kind == "received")
         assert max(received.values()) > 1, report
+
+
+def lost_at_the_kill(holding: Holding, killed: list[float], broker_url: str) -> bool:
+    """A message the killed worker's consumer took off the queue as it died.
+
+    kombu's Redis transport pops a message (``BRPOP``) before the consumer
+    records it as unacknowledged: a worker SIGKILLed between the two loses
+    it, with or without ``acks_late``, as plain Celery does. Such a message
+    was published just before the kill, no worker ever received it, and it
+    is neither in a queue nor among the unacknowledged messages.
+    """
+    if len(killed) < 2 or holding.events:
+        return False
+    if not killed[0] - 1.0 <= holding.call.t0 <= holding.call.t1 <= killed[1]:
+        return False
+    task_id = holding.call.task_id.encode()
+    client = redis.Redis.from_url(broker_url)
+    try:
+        if any(task_id in body for body in client.hvals("unacked")):
+            return False
+        for name in client.scan_iter(count=1000):
+            if client.type(name) == b"list" and any(
+                task_id in body for body in client.lrange(name, 0, -1)
+            ):
+                return False
+    finally:
+        client.close()
+    return True

@@ -33,8 +33,8 @@ from tests.fixtures._store_case import StoreCase
 from . import model
 from .apps import make_app, work_task
 from .conftest import Backends
-from .model import Revoke, check, summary, unfinished
-from .probe import Producer, Recorder, Scanner, poll, scan_once
+from .model import Revoke, check, summary
+from .probe import Producer, Recorder, Scanner, scan_once
 from .servers import FlakyRedis, flaky_redis
 from .test_soak import PREFIX, describe
 from .workers import WorkerPool
@@ -203,14 +203,7 @@ def test_soak_under_store_stalls_longer_than_the_lease_finds_no_violation(
         for process in producers:
             process.join(plan.calls / plan.rate + 120)
             assert process.exitcode == 0, f"producer exited with {process.exitcode}"
-    try:
-        poll(lambda: not unfinished(recorder.trace()), 180, interval=1.0, what="queue drained")
-    except AssertionError:
-        left = [
-            (h.call.task_id, sorted({e.kind for e in h.events}))
-            for h in unfinished(recorder.trace())
-        ]
-        raise AssertionError(f"unfinished: {left[:10]} ({len(left)})\n{workers.logs()}") from None
+    recorder.drained(180, workers.log_texts)
     _scan_quietly(url, recorder)()
     trace = recorder.trace()
     (tmp_path / "trace.json").write_text(trace.to_json())
@@ -223,5 +216,5 @@ def test_soak_under_store_stalls_longer_than_the_lease_finds_no_violation(
     assert any(e.kind == "skipped" and "deferred" in e.outcome for e in trace.events), report
     # The stalls hit running leases (each worker logged a renewal the store
     # did not answer in time).
-    logs = [w.log.read_text(errors="replace") for w in workers.workers]
+    logs = workers.log_texts()
     assert all("could not renew" in text or "to renew" in text for text in logs), report

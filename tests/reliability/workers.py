@@ -147,6 +147,10 @@ class WorkerPool:
         """Every worker's log tail, for an assertion message."""
         return "\n".join(f"--- {w.name}\n{w.tail()}" for w in self.workers)
 
+    def log_texts(self) -> list[str]:
+        """Every worker's whole log."""
+        return [w.log.read_text(errors="replace") for w in self.workers]
+
     def stop_all(self) -> None:
         """Stop every worker."""
         for worker in self.workers:
