@@ -27,7 +27,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from celery_dedup import DedupTask, otel
+from celery_dedup import DedupTask, RateLimited, otel
 from tests.fixtures.redis import RedisServer
 
 from .conftest import AppFactory, wait_until
@@ -139,6 +139,28 @@ def test_a_deferred_run_is_visible_on_its_worker_span(
     (event,) = [e for e in span.events if e.name == "celery_dedup.deferred"]
     assert dict(event.attributes or {})["celery_dedup.reason"] == attributes["reason"]
     assert sorted(runs.lrange("otel-limited", 0, -1)) == [b"1", b"2"]
+
+
+def test_a_refused_call_has_a_span_of_its_own(
+    traced_app: Celery, exporter: InMemorySpanExporter
+) -> None:
+    @traced_app.task(base=DedupTask, shared=False, name="otel.rated", unique_for=600,
+                     rate_limit_per_key="1/h", rate_key="{user}")
+    def rated(user: str, n: int) -> int:
+        return n
+
+    first = rated.delay("ada", 1)
+    with pytest.raises(RateLimited) as refused:
+        rated.delay("ada", 2)
+    publish, refusal = _spans(exporter, "apply_async/otel.rated")
+    assert _dedup(publish)["outcome"] == "published"
+    assert dict(publish.attributes or {})["messaging.message.id"] == first.id
+    attributes = _dedup(refusal)
+    assert attributes["outcome"] == "refused" and "holder_id" not in attributes
+    assert 0 < attributes["retry_after"] <= 3600
+    assert attributes["retry_after"] == pytest.approx(refused.value.retry_after, abs=1)
+    with traced_app.connection_for_write() as conn:
+        assert conn.default_channel.client.llen(traced_app.conf.task_default_queue) == 1
 
 
 def test_the_package_works_without_opentelemetry() -> None:

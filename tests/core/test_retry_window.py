@@ -24,10 +24,18 @@ def runs(redis_server: RedisServer) -> redis.Redis:
     return redis.Redis.from_url(redis_server.url(4))
 
 
+@pytest.fixture(params=["redis", pytest.param("postgres", marks=pytest.mark.postgres)])
+def store_conf(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """The lock store: the Redis result backend, or PostgreSQL."""
+    if request.param == "redis":
+        return {}
+    return {"dedup_store": request.getfixturevalue("store_postgres").url}
+
+
 def test_a_failure_holds_the_key_only_for_the_cooldown(
-    app_factory: AppFactory, worker_for: Any, runs: redis.Redis
+    app_factory: AppFactory, worker_for: Any, runs: redis.Redis, store_conf: dict[str, Any]
 ) -> None:
-    app = app_factory("rw-fail")
+    app = app_factory("rw-fail", **store_conf)
 
     @app.task(base=DedupTask, shared=False, unique_for=600, retry_window=5)
     def job(x: int) -> None:
