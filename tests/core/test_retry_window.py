@@ -223,3 +223,18 @@ def test_the_app_setting_applies_where_it_shortens(app_factory: AppFactory) -> N
     assert long.dedup_config().retry_window == 30
     assert short.dedup_config().retry_window is None
     assert finish.dedup_config().retry_window is None
+
+
+def test_first_use_checks_the_app_default_policy(app_factory: AppFactory) -> None:
+    """``unique_until`` left to ``dedup_default_unique_until="finish"``: refused at the first
+    call, before anything is published."""
+    app = app_factory("rw-default", dedup_default_unique_until="finish")
+
+    @app.task(base=DedupTask, shared=False, name="rw.default", unique_for=60, retry_window=5)
+    def job(x: int) -> None:
+        return None
+
+    with pytest.raises(OptionCombinationError, match="unique_until is 'finish'"):
+        job.delay(1)
+    with app.connection_for_write() as conn:
+        assert conn.default_channel.client.llen(app.conf.task_default_queue) == 0
