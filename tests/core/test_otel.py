@@ -163,6 +163,23 @@ def test_a_refused_call_has_a_span_of_its_own(
         assert conn.default_channel.client.llen(traced_app.conf.task_default_queue) == 1
 
 
+def test_a_delayed_publish_says_deferred(
+    traced_app: Celery, exporter: InMemorySpanExporter
+) -> None:
+    """``on_rate_limit="delay"``: published with a countdown to its place in the window."""
+
+    @traced_app.task(base=DedupTask, shared=False, name="otel.delayed", unique_for=600,
+                     rate_limit_per_key="1/h", rate_key="{user}", on_rate_limit="delay")
+    def delayed(user: str, n: int) -> int:
+        return n
+
+    first, later = delayed.delay("ada", 1), delayed.delay("ada", 2)
+    spans = {dict(s.attributes or {})["messaging.message.id"]: _dedup(s)
+             for s in _spans(exporter, "apply_async/otel.delayed")}  # fmt: skip
+    assert spans[first.id]["outcome"] == "published"
+    assert spans[later.id]["outcome"] == "deferred"
+
+
 def test_the_package_works_without_opentelemetry() -> None:
     """Imported and used with every ``opentelemetry`` module blocked (as if not installed)."""
     script = textwrap.dedent(
