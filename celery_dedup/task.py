@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Final, cast
@@ -487,8 +487,11 @@ class DedupTask(_Task):
         if given:
             resolved = {"on_duplicate": call.on_duplicate, "unique_until": call.unique_until}
             combinations.check_call(given, resolved, self.name)
-            if "retry_window" in given or "unique_for" in given:
+            if "retry_window" in given:
                 combinations.check_window(call.retry_window, call.unique_for, self.name)
+            elif (call.retry_window or 0) >= (call.unique_for or 0) > 0:
+                # A call's shorter unique_for already ends a failure's hold sooner.
+                call = replace(call, retry_window=None)
         # Routers and keys see the arguments as Celery sends them (pydantic models dumped).
         sent_args, sent_kwargs = self._as_sent(args, kwargs, options)
         queue_name, router = self._route(options, sent_args, sent_kwargs, config)

@@ -205,6 +205,17 @@ def test_a_window_not_shorter_than_unique_for_is_refused(app_factory: AppFactory
     assert other.apply_async((1,), retry_window=30).deduplicated is False
 
 
+    @app.task(base=DedupTask, shared=False, name="rw.window", unique_for=60, retry_window=30)
+    def windowed(x: int) -> None:
+        return None
+
+    # A call's own shorter unique_for ends a failure's hold sooner anyway: no cooldown, no error.
+    short = windowed.apply_async((1,), unique_for=20)
+    assert short.deduplicated is False
+    lock = inspect_lock(short.deduplication_key, app=app)
+    assert lock is not None and lock.ttl <= 20
+
+
 def test_the_app_setting_applies_where_it_shortens(app_factory: AppFactory) -> None:
     app = app_factory("rw-setting", dedup_retry_window=30)
 
