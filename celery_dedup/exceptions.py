@@ -167,6 +167,9 @@ class OptionCombinationError(InvalidOptionError):
         super().__init__(option, value, self._needs(), task_name)
 
     def _needs(self) -> str:
+        if "|" in self.required_value:
+            either = " or ".join(repr(v) for v in self.required_value.split("|"))
+            return f"{self.requires}={either}"
         if self.required_value:
             return f"{self.requires}={self.required_value!r}"
         return f"{self.requires} set"

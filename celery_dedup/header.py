@@ -49,6 +49,9 @@ class LockHeader:
     #: ``on_duplicate="keep_last"``: the run waits for the key's run in
     #: progress to end (``coalesce``)
     last: bool = False
+    #: ``unique_until="success"``: seconds the key stays held after a failed
+    #: run (``retry_window``), or ``None`` (the rest of ``unique_for``)
+    retry_window: float | None = None
 
     def owner(self, task_id: str) -> str:
         """The owner the store knows this message's lock by."""
@@ -68,6 +71,8 @@ class LockHeader:
         }
         if self.last:
             encoded["last"] = True
+        if self.retry_window is not None:
+            encoded["rw"] = self.retry_window
         return encoded
 
     @classmethod
@@ -95,6 +100,7 @@ class LockHeader:
             replace=_flag(raw, "replace"),
             token=_text(raw, "tok", MAX_TOKEN) if raw.get("tok") is not None else None,
             last=_flag(raw, "last"),
+            retry_window=_seconds(raw["rw"], "rw") if raw.get("rw") is not None else None,
         )
 
 
@@ -137,7 +143,7 @@ def _until(value: Any) -> UniqueUntil:
     )
 
 
-def _seconds(value: Any) -> float:
+def _seconds(value: Any, field: str = "for") -> float:
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
@@ -145,7 +151,7 @@ def _seconds(value: Any) -> float:
         or not 0 < value <= MAX_SECONDS
     ):
         raise MalformedHeader(
-            "for", _show(value), f"a number of seconds above 0 and at most {MAX_SECONDS:.0f}"
+            field, _show(value), f"a number of seconds above 0 and at most {MAX_SECONDS:.0f}"
         )
     return float(value)
 

@@ -249,6 +249,8 @@ SETTINGS: Final[Mapping[str, tuple[Any, Callable[[Any, str], Any]]]] = {
         UniqueUntil.SUCCESS,
         lambda v, o: validate_choice(UniqueUntil, v, o),
     ),
+    # unique_until="success": how long a failed run's key stays held (None: unique_for).
+    "dedup_retry_window": (None, validate_max_wait),
     "dedup_default_identity": (Identity.STRICT, lambda v, o: validate_choice(Identity, v, o)),
     "dedup_default_on_duplicate": (
         OnDuplicate.EXISTING,
@@ -300,6 +302,7 @@ CALL_OPTIONS: Final[Mapping[str, Callable[[Any, str], Any]]] = {
     "deduplication_key": validate_key,
     "unique_for": validate_unique_for,
     "unique_until": lambda v, o: validate_choice(UniqueUntil, v, o),
+    "retry_window": validate_max_wait,
     "on_duplicate": lambda v, o: validate_choice(OnDuplicate, v, o),
     "identity": lambda v, o: validate_choice(Identity, v, o),
     "deterministic_id": validate_bool,
@@ -458,3 +461,5 @@ class ResolvedOptions:
     cancel_wait: float = 10.0
     #: ``cancel_running`` only: the signal that terminates a running holder
     cancel_signal: str = "SIGUSR1"
+    #: ``unique_until="success"`` only: seconds a failed run's key stays held
+    retry_window: float | None = None

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 from enum import Enum
+from typing import Final
 
-__all__ = ["UniqueUntil", "lock_ttl"]
+__all__ = ["KEEPS_ON_FAILURE", "UniqueUntil", "lock_ttl"]
 
 
 class UniqueUntil(str, Enum):
@@ -31,6 +32,10 @@ class UniqueUntil(str, Enum):
     def releases_on_revoke(self) -> bool:
         """Whether a revoked or expired message releases the lock."""
         return self is not UniqueUntil.EXPIRY
+
+
+#: the policies that keep a failed run's lock, so ``retry_window`` can shorten it
+KEEPS_ON_FAILURE: Final = frozenset({UniqueUntil.SUCCESS, UniqueUntil.EXPIRY})
 
 
 def lock_ttl(

@@ -47,7 +47,8 @@ class Option:
     #: how the call column reads when the call takes something else than the task
     call_note: str = ""
     task_note: str = ""
-    #: the option this one only works with, and the value it must have ("": any, set)
+    #: the option this one only works with, and the value it must have ("": any, set;
+    #: "a|b": either)
     requires: tuple[str, str] | None = None
 
 
@@ -75,6 +76,13 @@ OPTIONS: Final[tuple[Option, ...]] = (
            '`"start"`, `"success"`, `"finish"`, `"expiry"` (`UniqueUntil`)',
            "when the lock is released early ([lock lifetime]"
            "(usage.md#lock-lifetime-unique_for-and-unique_until))"),
+    Option("retry_window", True, True, "seconds > 0, shorter than `unique_for`, or `None`",
+           '`"success"` and `"expiry"` only: after a **failed** run the key stays held only '
+           "this long (a cooldown from the failure); a success follows the policy "
+           '(`"expiry"`: held for the rest of `unique_for`); `None`: a failure holds it for '
+           "`unique_for`; default `dedup_retry_window` ([a window per outcome]"
+           "(usage.md#a-window-per-outcome-retry_window))",
+           requires=("unique_until", "success|expiry")),
     Option("identity", True, True,
            '`"strict"`, `"caller_provided"`, `"always_unique"` (`Identity`)',
            "how a call's identity is derived without a key"),
@@ -149,6 +157,11 @@ SETTINGS: Final[tuple[Setting, ...]] = (
     Setting("dedup_default_ttl", "`3600`", "seconds a lock lives when no `unique_for` is given"),
     Setting("dedup_default_unique_until", '`"success"`',
             "see [lock lifetime](#lock-lifetime-unique_for-and-unique_until)"),
+    Setting("dedup_retry_window", "`None`",
+            '`unique_until="success"` or `"expiry"`: seconds a key stays held after a failed '
+            "run (a cooldown); tasks under another policy, or whose `unique_for` is not "
+            "longer, ignore it. See [a window per outcome]"
+            "(usage.md#a-window-per-outcome-retry_window)"),
     Setting("dedup_default_identity", '`"strict"`',
             "see [identity](#identity-which-calls-are-the-same)"),
     Setting("dedup_default_on_duplicate", '`"existing"`',
@@ -233,7 +246,9 @@ def render_requires_table() -> str:
         if option.requires is None:
             continue
         needed, value = option.requires
-        needs = f'`{needed}="{value}"`' if value else f"`{needed}`"
+        needs = (
+            " or ".join(f'`{needed}="{v}"`' for v in value.split("|")) if value else f"`{needed}`"
+        )
         lines.append(f"| `{option.name}` | {needs} | `OptionCombinationError` |")
     return "\n".join(lines)
 

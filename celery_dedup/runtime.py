@@ -72,6 +72,7 @@ WATCHED_SETTINGS = (
     "dedup_silenced_warnings",
     "dedup_cancel_wait",
     "dedup_cancel_signal",
+    "dedup_retry_window",
     "broker_transport_options",
     "task_send_sent_event",
     "worker_send_task_events",
@@ -140,6 +141,8 @@ class AppSettings:
     cancel_wait: float = 10.0
     #: ``on_duplicate="cancel_running"``: the terminating signal (``dedup_cancel_signal``)
     cancel_signal: str = "SIGUSR1"
+    #: ``"success"``/``"expiry"``: seconds a failed run's key stays held (``dedup_retry_window``)
+    retry_window: float | None = None
 
     @classmethod
     def from_conf(cls, conf: Any) -> AppSettings:
@@ -166,6 +169,7 @@ class AppSettings:
             on_key_reuse=read_setting(conf, "dedup_on_key_reuse"),
             cancel_wait=read_setting(conf, "dedup_cancel_wait"),
             cancel_signal=read_setting(conf, "dedup_cancel_signal"),
+            retry_window=read_setting(conf, "dedup_retry_window"),
         )
 
 

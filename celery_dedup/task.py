@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Final, cast
@@ -48,7 +48,7 @@ from .options import (
     validate_wait,
     warn_unknown_task_options,
 )
-from .policy import UniqueUntil
+from .policy import KEEPS_ON_FAILURE, UniqueUntil
 from .results import mark_result
 from .runs import DELIVERY_FIELD, INHERITED_FIELD
 from .runtime import Runtime, runtime_for
@@ -87,6 +87,7 @@ _ATTRIBUTES: Mapping[str, Callable[[Any, str], Any]] = {
     "debounce_max_wait": validate_max_wait,
     "cancel_wait": lambda v, o: None if v is None else validate_wait(v, o),
     "cancel_signal": lambda v, o: None if v is None else validate_signal(v, o),
+    "retry_window": validate_max_wait,
 }
 
 
@@ -120,6 +121,8 @@ class TaskConfig:
     #: ``cancel_running``: seconds to wait for the key, and the terminating signal
     cancel_wait: float = 10.0
     cancel_signal: str = "SIGUSR1"
+    #: ``unique_until="success"``: seconds a failed run's key stays held, or ``None``
+    retry_window: float | None = None
 
     def resolve(self, given: Mapping[str, Any]) -> ResolvedOptions:
         """Apply one call's options (already validated) over the task's."""
@@ -136,6 +139,7 @@ class TaskConfig:
             debounce_max_wait=given.get("debounce_max_wait", self.debounce_max_wait),
             cancel_wait=given.get("cancel_wait", self.cancel_wait),
             cancel_signal=given.get("cancel_signal", self.cancel_signal),
+            retry_window=given.get("retry_window", self.retry_window),
         )
 
     @cached_property
@@ -152,6 +156,7 @@ class TaskConfig:
             debounce_max_wait=self.debounce_max_wait,
             cancel_wait=self.cancel_wait,
             cancel_signal=self.cancel_signal,
+            retry_window=self.retry_window,
         )
 
 
@@ -210,6 +215,12 @@ class DedupTask(_Task):
     #: ``on_duplicate="cancel_running"``: the signal terminating a running
     #: holder; ``None`` asks ``dedup_cancel_signal`` (``"SIGUSR1"``).
     cancel_signal: str | None = None
+
+    #: ``unique_until="success"``: seconds the key stays held after a **failed**
+    #: run (a cooldown from the failure); a success holds it for the rest of
+    #: ``unique_for``. ``None`` asks ``dedup_retry_window`` (``None``: a failure
+    #: holds it for ``unique_for`` too).
+    retry_window: float | timedelta | None = None
 
     #: Option names this class uses for something else (the celery-singleton
     #: shim's ``on_duplicate(existing_task_id)`` hook): they are neither
@@ -289,11 +300,19 @@ class DedupTask(_Task):
             for name, value in type(self).__dict__.items()
             if name not in self.dedup_not_options
         }
-        combinations.check_resolved(own, on_duplicate, self.name)
+        unique_until = _choice(UniqueUntil, attr("unique_until"), settings.default_unique_until)
+        resolved = {"on_duplicate": on_duplicate, "unique_until": unique_until}
+        combinations.check_resolved(own, resolved, self.name)
+        ttl = unique_for if unique_for is not None else settings.default_ttl
+        window = validate_max_wait(attr("retry_window"), "retry_window")
+        combinations.check_window(window, ttl, self.name)
+        if window is None and unique_until in KEEPS_ON_FAILURE:
+            # The app-wide cooldown: for the tasks whose window it shortens.
+            window = settings.retry_window if (settings.retry_window or ttl) < ttl else None
         return TaskConfig(
             runtime=runtime,
-            unique_for=unique_for if unique_for is not None else settings.default_ttl,
-            unique_until=_choice(UniqueUntil, attr("unique_until"), settings.default_unique_until),
+            unique_for=ttl,
+            unique_until=unique_until,
             identity=_choice(Identity, attr("identity"), settings.default_identity),
             on_duplicate=on_duplicate,
             deterministic_id=bool(attr("deterministic_id")),
@@ -308,6 +327,7 @@ class DedupTask(_Task):
             debounce_max_wait=validate_max_wait(attr("debounce_max_wait")),
             cancel_wait=_or(attr("cancel_wait"), settings.cancel_wait, validate_wait),
             cancel_signal=_or(attr("cancel_signal"), settings.cancel_signal, validate_signal),
+            retry_window=window,
         )
 
     # -- keys --------------------------------------------------------------
@@ -465,7 +485,13 @@ class DedupTask(_Task):
             return mark_result(publish(task_id or uuid(), NO_LOCK), None)
         call = config.resolve(given)
         if given:
-            combinations.check_call(given, call.on_duplicate, self.name)
+            resolved = {"on_duplicate": call.on_duplicate, "unique_until": call.unique_until}
+            combinations.check_call(given, resolved, self.name)
+            if "retry_window" in given:
+                combinations.check_window(call.retry_window, call.unique_for, self.name)
+            elif (call.retry_window or 0) >= (call.unique_for or 0) > 0:
+                # A call's shorter unique_for already ends a failure's hold sooner.
+                call = replace(call, retry_window=None)
         # Routers and keys see the arguments as Celery sends them (pydantic models dumped).
         sent_args, sent_kwargs = self._as_sent(args, kwargs, options)
         queue_name, router = self._route(options, sent_args, sent_kwargs, config)

@@ -35,7 +35,7 @@ from .header import HEADER, MAX_TOKEN, LockHeader, new_token, read_header
 from .identity import bound_queue, deterministic_task_id
 from .lifecycle import DedupTaskLike, Held, Outcome, meta_for
 from .options import Fallback
-from .policy import UniqueUntil, lock_ttl
+from .policy import KEEPS_ON_FAILURE, UniqueUntil, lock_ttl
 from .signals import lock_acquired, lock_released, task_skipped
 from .stores.base import Claim, ClaimOutcome, Lock, LockStore, RunOutcome, RunRef
 
@@ -803,8 +803,14 @@ def finish(task: DedupTaskLike, held: Held, outcome: Outcome) -> None:
         if held.unchecked and held.header.until is UniqueUntil.START:
             # The start claim could not release it: that release is owed now.
             action = outcome is not Outcome.REQUEUED
+    window = cooldown(held.header, outcome) if action is False else None
     if held.run is not None and outcome is not Outcome.REQUEUED:
-        if _end_quietly(task, held, action, persist=True) and action:
+        if window is not None:
+            # The done marker first (copies must not run), then the kept lock
+            # shortened to the cooldown: a new call is accepted once it passed.
+            _end_quietly(task, held, None, persist=True)
+            _settle(task, held.store, held.key, held.owner, held.task_id, window)
+        elif _end_quietly(task, held, action, persist=True) and action:
             _count_release(task, held.key, held.task_id, outcome.value)
         return
     if held.run is not None:
@@ -812,7 +818,20 @@ def finish(task: DedupTaskLike, held: Held, outcome: Outcome) -> None:
     if action:
         release(task, held.store, held.key, held.owner, held.task_id, outcome.value)
     elif action is False:
-        _settle(task, held.store, held.key, held.owner, held.task_id)
+        _settle(task, held.store, held.key, held.owner, held.task_id, window)
+
+
+def cooldown(header: LockHeader, outcome: Outcome) -> float | None:
+    """The seconds a kept lock stays held after this outcome (``retry_window``), or ``None``.
+
+    Only a final failure of a ``"success"`` or ``"expiry"`` run has one (a
+    ``Reject(requeue=False)`` too: ended like a failure); a retry is not a
+    final failure, and a success follows the policy (``"success"`` releases,
+    ``"expiry"`` keeps the lock for the rest of its ``unique_for``).
+    """
+    if header.retry_window is None or header.until not in KEEPS_ON_FAILURE:
+        return None
+    return header.retry_window if outcome in (Outcome.FAILURE, Outcome.REJECTED) else None
 
 
 def end_unclaimed(task: DedupTaskLike, request: Any, outcome: Outcome) -> None:
@@ -826,10 +845,14 @@ def end_unclaimed(task: DedupTaskLike, request: Any, outcome: Outcome) -> None:
     store = task.dedup_config().runtime.store
     if header is None or header.key is None or store is None:
         return
-    if (header.token or "").startswith(GUARD_PREFIX) or not outcome.releases(header.until):
+    if (header.token or "").startswith(GUARD_PREFIX):
         return
     task_id = str(request.id)
-    release(task, store, header.key, header.owner(task_id), task_id, outcome.value)
+    window = cooldown(header, outcome)
+    if window is not None:
+        _settle(task, store, header.key, header.owner(task_id), task_id, window)
+    elif outcome.releases(header.until):
+        release(task, store, header.key, header.owner(task_id), task_id, outcome.value)
 
 
 def _eager_started() -> set[str]:
@@ -916,12 +939,22 @@ def release_killed_run(task: DedupTaskLike, request: Any, outcome: Outcome) -> N
             return  # the renewer records the end (and releases) once the store answers
     if releases:
         release(task, store, header.key, owner, task_id, outcome.value)
+    elif (window := cooldown(header, outcome)) is not None:
+        _settle(task, store, header.key, owner, task_id, window)
 
 
-def _settle(task: DedupTaskLike, store: LockStore, key: str, owner: str, task_id: str) -> None:
-    """Mark a kept lock not started (nothing runs under it now); a store error is logged."""
+def _settle(
+    task: DedupTaskLike,
+    store: LockStore,
+    key: str,
+    owner: str,
+    task_id: str,
+    ttl: float | None = None,
+) -> None:
+    """Mark a kept lock not started (nothing runs under it now), its TTL reset to ``ttl``
+    when given (a failure's cooldown); a store error is logged (the lock's own TTL bounds it)."""
     try:
-        store.settle(key, owner)
+        store.settle(key, owner, ttl)
     except StoreError as exc:
         logger.warning(
             "celery-dedup: could not settle lock %s of %s[%s]: %s",

@@ -6,7 +6,7 @@ import logging
 
 from celery.utils import uuid
 
-from .. import events, key_reuse
+from .. import events, key_reuse, otel
 from ..exceptions import DuplicateTaskError
 from ..options import OnDuplicate, OnKeyReuse
 from ..results import DeduplicatedResult
@@ -48,6 +48,7 @@ def answer(adm: Admission, holder: Lock, owner: str) -> DeduplicatedResult:
             holder.ttl,
         )
     runtime.metrics.incr(task.name, "deduplicated")
+    otel.decided(adm, "duplicate", holder_id=holder.task_id, policy=policy)
     task_deduplicated.send(
         sender=task,
         key=key,

@@ -15,7 +15,7 @@ from ..exceptions import StoreContention, StoreError
 from ..header import LockHeader, new_token
 from ..lifecycle import meta_for
 from ..options import OnDuplicate, OnKeyReuse
-from ..policy import UniqueUntil, lock_ttl
+from ..policy import KEEPS_ON_FAILURE, UniqueUntil, lock_ttl
 from ..stores.base import Lock, LockStore, replace_holder
 from . import duplicate
 from .canvas import in_canvas, is_canvas, is_member
@@ -51,6 +51,8 @@ class LockStep:
         # publish when it finds its lock gone (it may be given back).
         takes_over = replaces or cancels
         max_wait = call.debounce_max_wait if replaces and not keep_last else None
+        # Only a lock a failure keeps has a cooldown to shorten it to.
+        window = call.retry_window if until in KEEPS_ON_FAILURE and not canvas_key else None
         now = time.time()
         owner = (
             owner_token(adm)
@@ -97,9 +99,13 @@ class LockStep:
             adm.locked = False
             adm.notes["orphan"] = runtime.add_orphan(key, owner, ttl)
             fall_back(adm, exc)  # (closed: the orphan's sweeper releases a late write)
-            adm.header = LockHeader(key, until, call.unique_for, takes_over, owner, keep_last)
+            adm.header = LockHeader(
+            key, until, call.unique_for, takes_over, owner, keep_last, retry_window=window
+        )
             return None
-        adm.header = LockHeader(key, until, call.unique_for, takes_over, owner, keep_last)
+        adm.header = LockHeader(
+            key, until, call.unique_for, takes_over, owner, keep_last, retry_window=window
+        )
         if holder is not None and holder.owner != owner:
             # (A holder with this call's own token is this call's write, seen
             # again by a client that re-sent the command after losing its reply.)

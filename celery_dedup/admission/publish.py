@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .. import coalesce, worker
+from .. import coalesce, otel, worker
 from ..signals import lock_acquired
 from .state import Admission, Refusal
 
@@ -30,6 +30,7 @@ class PublishStep:
                 ttl=adm.notes.get("ttl"),
                 policy=adm.header.until.value,
             )
+        otel.publishing(adm)
         owner = adm.header.owner(adm.task_id)
         follows = adm.previous if adm.header.last and adm.locked else None
         try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from .. import rates
+from .. import otel, rates
 from ..exceptions import StoreContention, StoreError
 from ..limits import Rate
 from ..stores.base import RateAnswer, RateSupport
@@ -50,6 +50,7 @@ class RateStep:
             held = _duplicate_of(adm)
             if held is not None:
                 return held
+            otel.decided(adm, "refused", retry_after=round(answer.wait, 3))
             # A chain's first step has no handle that could stand in for its chain.
             return rates.refused(
                 adm.task, rate_key, answer, adm.task_id, adm.args, adm.kwargs,

@@ -26,6 +26,13 @@ def overrun(x: int) -> int:
     return x
 
 
+@app.task(base=DedupTask, unique_for=600, retry_window=30, time_limit=1)
+def overrun_cooled(x: int) -> int:
+    """Runs past its hard time limit under ``retry_window``: a failure's cooldown applies."""
+    time.sleep(10)
+    return x
+
+
 @app.task(base=DedupTask, unique_for=60)
 def quick(x: int) -> int:
     """Succeeds in a pool child; releases its lock there."""

@@ -83,7 +83,9 @@ def _app(app_factory: AppFactory, conf: dict[str, Any]) -> Celery:
 
 
 def _task(app: Celery, policy: str, limit: str, ids: str) -> Any:
-    options: dict[str, Any] = {"on_duplicate": policy, "unique_for": 600}
+    # Every task has a failure cooldown (``retry_window``): it never changes what a
+    # producer does (the worker matrix runs its failures).
+    options: dict[str, Any] = {"on_duplicate": policy, "unique_for": 600, "retry_window": 5}
     if policy == "cancel_running":
         options["cancel_wait"] = 2
     if limit == "concurrency":

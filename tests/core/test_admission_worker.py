@@ -10,6 +10,9 @@ worker:
   the worker (a rate-refused step is delayed, never dropped);
 * ``chord``: three members and a body (no member lost, the body once);
 * ``retry``: a body that retries once (the holder's republish);
+* ``fail``: a body that fails (every job has a ``retry_window``): its key is
+  held for the cooldown, not its hour of ``unique_for``, so the same call
+  made once the cases ran is published and runs again;
 * ``send_task``: a copy that bypasses ``apply_async`` while the call is
   held (the worker's guard skips it);
 * ``worker_side`` (random ids, ``deterministic_id``, the caller's
@@ -61,7 +64,11 @@ BROKER_DB, BACKEND_DB, RUNS_DB = 36, 37, 38
 POLICIES = ("existing", "raise", "replace", "keep_last", "cancel_running")
 LIMITS = ("none", "rate", "rate_callable", "concurrency", "concurrency_callable")
 BASES = ("dedup", "flask")
-PATHS = ("chain", "chord", "retry", "send_task")
+PATHS = ("chain", "chord", "retry", "send_task", "fail")
+#: every job's ``retry_window``: a failed run holds its key this long, not ``unique_for``
+RETRY_WINDOW = 2
+#: the ``fail`` path's ``unique_for``: far longer than the whole module runs
+FAIL_UNIQUE_FOR = 3600
 #: seconds the ``send_task`` path's call holds its key before it runs
 SEND_TASK_HOLD = 30
 IDS = ("random", "deterministic", "caller")
@@ -159,7 +166,9 @@ class Lab:
         self.collect, self.launch = collect, launch
 
     def _job(self, base: str, policy: str, limit: str) -> Any:
-        options: dict[str, Any] = {"on_duplicate": policy, "unique_for": 60, "bind": True}
+        options: dict[str, Any] = {
+            "on_duplicate": policy, "unique_for": 60, "bind": True, "retry_window": RETRY_WINDOW,
+        }  # fmt: skip
         if policy == "cancel_running":
             options["cancel_wait"] = 5
         if limit.startswith("rate"):
@@ -189,6 +198,8 @@ class Lab:
                 runs.decr(active)
             if mode == "retry" and attempt == 0:
                 raise self.retry(countdown=0.2)
+            if mode == "fail":
+                raise ValueError("fail")
             return n
 
         return job
@@ -209,6 +220,8 @@ class Lab:
                 case.results.append(chord(members)(self.collect.s(f"{job.name}:{user}")))
             elif case.path == "retry":
                 case.results.append(job.delay(user, 1, "retry"))
+            elif case.path == "fail":
+                case.results.append(job.apply_async((user, 1, "fail"), unique_for=FAIL_UNIQUE_FOR))
             elif case.path == "send_task":
                 # Held long enough that the copy is handled while it holds the key,
                 # however long the worker's backlog of every case's messages is.
@@ -298,6 +311,15 @@ def test_worker_paths_run_each_call_once(lab: Lab, case: Case) -> None:
     elif case.path == "retry":
         assert runs == [[1, 0], [1, 1]]
         assert case.results[0].get(timeout=1) == 1
+    elif case.path == "fail":
+        assert case.results[0].state == states.FAILURE and runs == [[1, 0]]
+        # The cooldown passed long ago, the hour of unique_for has not: published, run again.
+        job = lab.jobs[case.base, case.policy, case.limit]
+        again = job.apply_async((case.user, 1, "fail"), unique_for=FAIL_UNIQUE_FOR)
+        assert again.deduplicated is False and again.id != case.results[0].id
+        again.get(timeout=60, propagate=False)
+        assert again.state == states.FAILURE
+        assert sorted(lab.recorded(case, "runs")) == [[1, 0], [1, 0]]
     elif case.path == "send_task":
         held, copy = case.results
         assert runs == [[1, 0]]  # the copy found the call held: skipped, visibly

@@ -25,12 +25,14 @@ GUARD = {"v": 1, "key": "k", "until": "expiry", "for": 30, "replace": False, "to
     replace=st.booleans(),
     token=st.none() | st.text(min_size=1, max_size=64),
     last=st.booleans(),
+    window=st.none() | st.floats(0, MAX_SECONDS, exclude_min=True),
 )
 def test_every_encoded_header_decodes_to_itself(
-    key: str, until: UniqueUntil, unique_for: float, replace: bool, token: str | None, last: bool
+    key: str, until: UniqueUntil, unique_for: float, replace: bool, token: str | None, last: bool,
+    window: float | None,
 ) -> None:
     """``decode(encode(h)) == h`` for every header the producer can write."""
-    header = LockHeader(key, until, unique_for, replace, token, last)
+    header = LockHeader(key, until, unique_for, replace, token, last, retry_window=window)
     assert LockHeader.decode(header.encode()) == header
 
 
@@ -65,6 +67,9 @@ def test_a_header_without_a_key_is_a_message_published_without_a_lock() -> None:
         ({"v": 1, "key": "k", "for": 5, "tok": 12}, "tok"),
         ({"v": 1, "key": "k", "for": 5, "tok": "t" * 10_000}, "tok"),
         ({"v": 1, "key": "k", "for": 5, "until": ["start"]}, "until"),
+        ({"v": 1, "key": "k", "for": 5, "rw": "60"}, "rw"),
+        ({"v": 1, "key": "k", "for": 5, "rw": 0}, "rw"),
+        ({"v": 1, "key": "k", "for": 5, "rw": math.inf}, "rw"),
     ],
 )
 def test_a_header_encode_cannot_have_written_is_malformed(raw: Any, field: str) -> None:

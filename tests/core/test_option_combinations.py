@@ -27,6 +27,13 @@ GIVEN: dict[str, tuple[Any, dict[str, Any]]] = {
     "debounce_max_wait": (30, {"on_duplicate": "replace"}),
     "cancel_wait": (5, {"on_duplicate": "cancel_running"}),
     "cancel_signal": ("SIGTERM", {"on_duplicate": "cancel_running"}),
+    "retry_window": (5, {"unique_until": "success"}),
+}
+
+#: the value of a decided option that makes each option meaningless
+WRONG: dict[str, dict[str, Any]] = {
+    "on_duplicate": {"on_duplicate": "existing"},
+    "unique_until": {"unique_until": "finish"},
 }
 
 
@@ -41,7 +48,7 @@ def test_definition_refuses_an_option_without_its_partner(
     app = app_factory("combo-def")
     value, partner = GIVEN[option]
     needed = REQUIRES[option][0]
-    wrong = {"on_duplicate": "existing"} if needed == "on_duplicate" else {}
+    wrong = WRONG.get(needed, {})
     with pytest.raises(OptionCombinationError) as info:
 
         @app.task(base=DedupTask, shared=False, name=f"combo.{option}", **{option: value}, **wrong)

@@ -96,6 +96,19 @@ def test_hard_time_limit_releases_finish_lock(prefork_worker: None) -> None:
     prefork_app.app.control.revoke(fresh.id)
 
 
+def test_hard_time_limit_keeps_a_success_lock_only_for_its_cooldown(
+    prefork_worker: None,
+) -> None:
+    """A killed run is a failure: its ``"success"`` lock is kept for ``retry_window`` (30 s),
+    not the rest of its ``unique_for`` (600 s), set before the failure was stored."""
+    app = prefork_app.app
+    result = prefork_app.overrun_cooled.delay(1)
+    wait_until(lambda: app.AsyncResult(result.id).state == states.FAILURE, timeout=30)
+    lock = inspect_lock(result.deduplication_key, app=app)
+    assert lock is not None and lock.task_id == result.id and lock.ttl <= 30
+    assert prefork_app.overrun_cooled.delay(1).id == result.id  # within the cooldown
+
+
 def test_a_call_override_without_super_releases_from_the_pool_child(
     prefork_worker: None,
 ) -> None:

@@ -153,6 +153,8 @@ class Call:
     expires_at: float | None = None
     #: the call's name, carried by its arguments to the runs (``Event.seq``)
     seq: str = ""
+    #: ``retry_window``: a final failure keeps the lock this long from its end
+    retry_window: float | None = None
 
 
 @dataclass(frozen=True)
@@ -400,6 +402,10 @@ class _Checker:
             earliest = h.first("end", ["success"])
         elif until == "finish":
             earliest = h.first("end", ["success", "failure"])
+        if call.retry_window is not None:
+            # A failure's cooldown starts after its body ended (recorded first).
+            ended = h.first("end", ["failure", "interrupted"])
+            earliest = min(earliest, ended + call.retry_window)
         if until != "expiry":
             if call.expires_at is not None:
                 earliest = min(earliest, max(call.t0, call.expires_at))
@@ -439,6 +445,11 @@ class _Checker:
         if call.until in ("success", "finish"):
             for start in h.of("start"):
                 latest = max(latest, start.t + call.unique_for + self.ttl_slack)
+        if call.retry_window is not None:
+            # A failure's cooldown may outlast the TTL it replaced (settled before postrun).
+            for failed in h.of("postrun"):
+                if failed.outcome == "FAILURE":
+                    latest = max(latest, failed.t + call.retry_window + self.ttl_slack)
         if call.keep_last:
             # A follow-up waiting for the run gate keeps its lock alive meanwhile.
             for waited in self.gate_waits.get(h.token, []):
@@ -457,6 +468,10 @@ class _Checker:
             latest = h.first("postrun", ["SUCCESS"])
         elif until == "finish":
             latest = h.first("postrun", ["SUCCESS", "FAILURE"])
+        if call.retry_window is not None:
+            # A final failure's lock lives its cooldown, set before task_postrun.
+            failed = h.first("postrun", ["FAILURE"])
+            latest = min(latest, failed + call.retry_window + self.ttl_slack)
         # A skipped start claim found another holder or deleted the revoked lock.
         latest = min(latest, h.first("skipped"))
         if until != "expiry":

@@ -346,6 +346,10 @@ class Producer:
             "max_wait": call.debounce_max_wait if policy == "replace" else None,
             "countdown": countdown,
             "seq": seq,
+            # The worker shortens a failed run's lock only under these policies.
+            "retry_window": (
+                call.retry_window if call.unique_until.value in ("success", "expiry") else None
+            ),
         }
         _published.last = None
         t0 = time.time()

@@ -8,8 +8,9 @@ with ``on_duplicate="keep_last"``, and of another seventh half the keys
 cancel the running call with ``on_duplicate="cancel_running"`` and half
 debounce with a cap: ``on_duplicate="replace"``, a ``countdown`` on every
 call and ``debounce_max_wait``); every other key's call draws its own
-``on_duplicate``, ``countdown``/``expires`` and what its body will do (sleep,
-fail, retry with a countdown), and some published calls are revoked shortly
+``on_duplicate``, ``countdown``/``expires``, a failure cooldown
+(``retry_window``, under ``"success"`` and ``"expiry"``) and what its body
+will do (sleep, fail, retry with a countdown), and some published calls are revoked shortly
 after. ``cancel_running`` bodies sleep longer, so calls find them running
 and terminate them. Every call is named (``seq``) in its plan, so the
 checker knows whose arguments each run carried. Producers pace their calls
@@ -123,6 +124,9 @@ class Workload:
             options["expires"] = -1.0
         elif pick < 0.16:
             options.update(countdown=1.0, expires=0.3)
+        if options["unique_until"] in ("success", "expiry") and rng.random() < 0.3:
+            # A failure's cooldown, shorter than the window (retry_window).
+            options["retry_window"] = round(options["unique_for"] * rng.choice((0.2, 0.5)), 3)
         plan: dict[str, Any] = {"sleep": round(rng.uniform(0.0, 0.1), 3)}
         if policy == "cancel_running":
             plan["sleep"] = round(rng.uniform(0.1, 0.5), 3)

@@ -96,6 +96,7 @@ CHECK_IDS: Final[Mapping[str, str]] = {
     "dedup_on_key_reuse": "celery_dedup.E040",
     "dedup_cancel_wait": "celery_dedup.E036",
     "dedup_cancel_signal": "celery_dedup.E037",
+    "dedup_retry_window": "celery_dedup.E041",
 }
 E_UNKNOWN_SCHEME: Final = "celery_dedup.E009"
 E_STORE_OPTIONS: Final = "celery_dedup.E010"
