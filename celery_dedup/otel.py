@@ -55,11 +55,13 @@ _found: dict[str, Any] = {}
 def _lookup() -> Any:
     if "instrumentor" not in _found:
         try:
-            from opentelemetry.instrumentation.celery import CeleryInstrumentor
+            from opentelemetry.instrumentation import celery as instrumentation
         except ImportError:
             _found["instrumentor"] = False
         else:
-            _found["instrumentor"] = CeleryInstrumentor()
+            # (untyped; the instrumentor is a singleton)
+            make: Any = instrumentation.CeleryInstrumentor
+            _found["instrumentor"] = make()
     return _found["instrumentor"]
 
 
