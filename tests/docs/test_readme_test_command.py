@@ -24,7 +24,7 @@ def test_every_step_is_named_in_order() -> None:
     """Each step's name appears, in backticks, after the one the script runs before it."""
     paragraph = _paragraph()
     steps = _steps()
-    assert steps[:3] == ["collect core", "collect stores", "collect django"]
+    assert steps[:4] == ["collect core", "collect system", "collect stores", "collect django"]
     assert "pytest core" in steps and "support matrix" in steps
     position = 0
     for name in steps:
@@ -34,10 +34,11 @@ def test_every_step_is_named_in_order() -> None:
 
 
 def test_the_lanes_and_duration_are_stated() -> None:
-    """Two lanes at once, the release check and matrix only with CI, and how long it takes."""
+    """Three lanes at once, the release check and matrix only with CI, and how long it takes."""
     paragraph = " ".join(_paragraph().split())
     script = (ROOT / "scripts/test").read_text()
-    assert 'lane "$@") >"$logs/lane.out" 2>&1 &' in script  # the second lane runs in the background
-    assert "two lanes at the same time" in paragraph
+    # two lanes run in the background beside the core session
+    assert script.count("; lane ") == 2 and script.count('.out" 2>&1 &') == 2
+    assert "three lanes at the same time" in paragraph
     assert re.search(r"with `CI` set, the `release check`", paragraph)
     assert re.search(r"about \d+\u2013\d+ minutes on 2 cores", paragraph)
