@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -128,6 +129,7 @@ class Recorder:
         timeout: float,
         logs: Callable[[], Sequence[str]] = lambda: (),
         excused: Callable[[Holding], bool] = lambda _: False,
+        dump: Path | None = None,
     ) -> Trace:
         """The trace once every published message is final, polled each second.
 
@@ -135,7 +137,8 @@ class Recorder:
         events and the worker log lines that mention its task id (``logs``:
         the workers' log texts), so a stuck or lost message can be told from
         a slow machine. ``excused`` messages are not waited for (a fault that
-        loses messages as plain Celery does: the caller judges them).
+        loses messages as plain Celery does: the caller judges them). On a
+        timeout the trace so far is written to ``dump``.
         """
 
         def drained() -> bool:
@@ -144,7 +147,11 @@ class Recorder:
         try:
             poll(drained, timeout, interval=1.0, what="queue drained")
         except AssertionError as exc:
-            raise AssertionError(f"{exc}\n{self.diagnose(logs())}") from None
+            where = ""
+            if dump is not None:
+                dump.write_text(self.trace().to_json())
+                where = f"\ntrace: {dump}"
+            raise AssertionError(f"{exc}\n{self.diagnose(logs())}{where}") from None
         return self.trace()
 
     def diagnose(self, logs: Sequence[str] = (), limit: int = 10) -> str:

@@ -119,7 +119,7 @@ def test_soak_finds_no_violation(
             process.join(plan.calls / plan.rate + 120)
             assert process.exitcode == 0, f"producer exited with {process.exitcode}"
         # A copy of a killed run waits for its lease record: two leases (60 s each).
-        recorder.drained(180, workers.log_texts)
+        recorder.drained(180, workers.log_texts, dump=tmp_path / "trace.json")
     scan_once(store, PREFIX, recorder)
     trace = recorder.trace()
     (tmp_path / "trace.json").write_text(trace.to_json())
@@ -175,20 +175,11 @@ WORKER_FAULTS: dict[str, tuple[dict[str, object], int]] = {
 }
 
 
-#: The ``crash`` fault's run failed to drain its queue within 180 s in two of
-#: about six runs on a loaded 2-core machine, cause not found yet (the
-#: deterministic whole-worker crash tests in ``test_crashes.py`` pass): it runs
-#: with ``DEDUP_SOAK_CRASH=1`` or ``DEDUP_SOAK_FULL=1`` until it is explained.
-RUN_WORKER_FAULTS = [
-    fault for fault in WORKER_FAULTS
-    if fault != "crash"
-    or "1" in (os.environ.get("DEDUP_SOAK_CRASH"), os.environ.get("DEDUP_SOAK_FULL"))
-]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("fault", RUN_WORKER_FAULTS)
+@pytest.mark.parametrize("fault", list(WORKER_FAULTS))
 @pytest.mark.parametrize("fixture", WORKER_FAULT_STORES)
 def test_soak_under_worker_faults(
     fixture: str,
@@ -251,7 +242,10 @@ def test_soak_under_worker_faults(
             assert not killer.is_alive(), "the crashed worker did not restart"
         broker = str(conf["broker_url"])
         recorder.drained(
-            180, workers.log_texts, lambda h: lost_at_the_kill(h, killed, broker)
+            180,
+            workers.log_texts,
+            lambda h: lost_at_the_kill(h, killed, broker),
+            dump=tmp_path / "trace.json",
         )
     scan_once(store, PREFIX, recorder)
     trace = recorder.trace()

@@ -203,7 +203,7 @@ def test_soak_under_store_stalls_longer_than_the_lease_finds_no_violation(
         for process in producers:
             process.join(plan.calls / plan.rate + 120)
             assert process.exitcode == 0, f"producer exited with {process.exitcode}"
-    recorder.drained(180, workers.log_texts)
+    recorder.drained(180, workers.log_texts, dump=tmp_path / "trace.json")
     _scan_quietly(url, recorder)()
     trace = recorder.trace()
     (tmp_path / "trace.json").write_text(trace.to_json())
