@@ -1375,7 +1375,9 @@ def copy_of_a_run(
     token; the run's record says whether that run is live or done. The
     worker's own active requests whose run began (its lease was seen held)
     are asked first (no round trip): an active request that is only being
-    deferred is no live run, and its copies end as Celery ends them.
+    deferred is no live run, and its copies end as Celery ends them. Nor is
+    a run whose lease is held by a process known to be dead (one read more,
+    on this path only).
     """
     assert header.key is not None
     task_id = str(request.id)
@@ -1398,8 +1400,9 @@ def copy_of_a_run(
             return True
     token = str(getattr(request, runs.DELIVERY_FIELD, None) or "")
     run = RunRef(header.key, owner, attempt, token, header.last)
+    records = runs.records_of(store)
     try:
-        outcome = runs.records_of(store).peek_run(run)
+        outcome = records.peek_run(run)
     except StoreError as exc:
         logger.warning(
             "celery-dedup: %s[%s] was dropped; whether a copy of it runs is unknown "
@@ -1410,6 +1413,10 @@ def copy_of_a_run(
             exc,
         )
         return None
+    if outcome is RunOutcome.RUNNING and _dead_lease(records, run) is not None:
+        # The run died with its worker (a lease nobody renews): this copy is
+        # the message's last, and ends as Celery ends a dropped message.
+        return False
     return outcome in (RunOutcome.RUNNING, RunOutcome.DONE)
 
 

@@ -151,6 +151,39 @@ def test_acks_late_redelivery_after_the_whole_worker_was_killed(
     assert not findings, summary(findings)
 
 
+@pytest.mark.slow
+@pytest.mark.redis
+@pytest.mark.timeout(300)
+def test_a_revoked_copy_of_a_run_that_died_with_its_worker_ends_revoked(
+    backends: Backends, recorder: Recorder, workers: WorkerPool, producer_app: AppFactory
+) -> None:
+    """The run's worker is SIGKILLed, the message is revoked, the broker restores it: the
+    copy is dropped as Celery drops a revoked message (REVOKED stored, its lock released),
+    not quietly as a copy of a live run, though the dead run's lease is still on record."""
+    transport = {"visibility_timeout": 8, "unacked_restore_interval": 1,
+                 "unacked_restore_throttle": 1}
+    conf = backends.conf(**ACKS_LATE, broker_transport_options=transport)
+    (worker,) = workers.start(conf, concurrency=2)
+    app = producer_app(conf)
+    task = work_task(app)
+    producer = Producer(recorder)
+    first = producer.call(task, (10, HANG_ONCE), unique_for=300)
+    assert producer.last is not None
+    token = producer.last.token
+    first_start(recorder, token)
+    worker.kill()
+    worker.start()
+    app.control.revoke(first.id)
+    poll(lambda: recorder.events("revoked", token=token), 60, what="the copy dropped")
+    wait_state(first, states.REVOKED)
+    assert len(recorder.events("start", token=token)) == 1  # never run again
+    assert "its run is live or done" not in worker.tail(1_000_000)
+    store = store_of(backends)
+    poll(lambda: store.get(first.deduplication_key) is None, 10, what="lock released")
+    store.close()
+    assert producer.call(task, (10, {"sleep": 0.1})).deduplicated is False
+
+
 #: Receptions of one message whose run died with its worker, when the copy
 #: comes back to a worker on the same machine: the run, and its copy.
 MAX_RECEPTIONS = 2
