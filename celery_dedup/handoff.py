@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Final
 
-from kombu.serialization import dumps, loads
+from kombu.serialization import dumps, loads, prepare_accept_content
 
 from .stores.base import SlotWaiter
 
@@ -96,7 +96,7 @@ def wake(task: DedupTask, payloads: Iterable[bytes]) -> int:
         try:
             head, _, raw = payload.partition(b"\n")
             content_type, _, encoding = head.decode().partition(";")
-            accept = task.app.conf.accept_content
+            accept = prepare_accept_content(task.app.conf.accept_content)
             body = loads(raw, content_type, encoding or "utf-8", accept=accept)
             name = body["task"]
             target: Any = task if name == task.name else task.app.tasks[name]

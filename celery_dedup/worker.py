@@ -1154,7 +1154,9 @@ class DedupRequest(Request):
         """The message's request context (Celery's ``Request._context``)."""
         return getattr(self, "_context", None) or self.request_dict
 
-    def _announce_revoked(self, reason: str, terminated: bool, signum: Any, expired: bool) -> None:
+    def _announce_revoked(
+        self, reason: str, terminated: bool, signum: Any, expired: bool
+    ) -> None:
         """A dropped copy of a live or completed run is acknowledged quietly.
 
         Celery would store ``REVOKED`` under the task id the run shares (its
@@ -1325,7 +1327,9 @@ def _release_revoked(
         )
 
 
-def _release_revoked_request(sender: Any, request: Any, expired: bool, terminated: bool) -> None:
+def _release_revoked_request(
+    sender: Any, request: Any, expired: bool, terminated: bool
+) -> None:
     """``_release_revoked`` proper."""
     header = header_of(request)
     if header is None:
