@@ -120,9 +120,17 @@ class _Keeper:
         """
         if not self.holds(slot):
             return False
-        taken, in_use = slot.store.take_slot(slot.key, slot.holder, slot.limit, slot.ttl)
+        if slot.task is not None and isinstance(slot.store, SlotHandoff):
+            # Within what the key's waiters leave: a reserved slot is in use.
+            turn = slot.store.take_slot_in_turn(
+                slot.key, slot.holder, slot.limit, slot.ttl, None, slot.grace
+            )
+            taken, in_use = turn.taken, turn.in_use
+            handoff.wake(slot.task, turn.woken)
+        else:
+            taken, in_use = slot.store.take_slot(slot.key, slot.holder, slot.limit, slot.ttl)
         if taken and not self.holds(slot):
-            slot.store.give_slot(slot.key, slot.holder)  # its body ended meanwhile
+            _give(slot)  # its body ended meanwhile
             return False
         if not taken:
             logger.warning(
@@ -171,14 +179,16 @@ def enter(task: DedupTask, request: Any, args: Any, kwargs: Any) -> Slot | None:
     holder = f"{request.id}:{os.urandom(8).hex()}"
     # The deferral backoff grows from the limit's own first step.
     base = limits.backoff if limits.backoff is not None else lease / 3.0
-    turns = _turns_of(store, runtime.store, header)
+    turns = store if isinstance(store, SlotHandoff) else None
     countdown: float | None = None
     try:
         if turns is None:
             taken, in_use = store.take_slot(key, holder, limits.concurrency, ttl)
         else:
             countdown = worker.deferral_countdown(task, request, base)
-            waiter = handoff.waiter_of(task, request, args, kwargs, countdown)
+            waiter = None
+            if _may_wait(runtime.store, header):
+                waiter = handoff.waiter_of(task, request, args, kwargs, countdown)
             turn = turns.take_slot_in_turn(key, holder, limits.concurrency, ttl, waiter, base)
             taken, in_use = turn.taken, turn.in_use
             handoff.wake(task, turn.woken)
@@ -201,23 +211,24 @@ def enter(task: DedupTask, request: Any, args: Any, kwargs: Any) -> Slot | None:
             base,
             countdown=countdown,
         )
-    slot = Slot(store, key, holder, ttl, limits.concurrency, task if turns else None, base)
+    woke = task if turns is not None else None
+    slot = Slot(store, key, holder, ttl, limits.concurrency, woke, base)
     _keeper.add(slot)
     return slot
 
 
-def _turns_of(
-    store: SlotSupport, lock_store: object, header: LockHeader | None
-) -> SlotHandoff | None:
-    """The store as a ``SlotHandoff`` when this message may wait in the key's list.
+def _may_wait(lock_store: object, header: LockHeader | None) -> bool:
+    """Whether this message may wait in the key's wait list (``handoff``).
 
     A woken message runs as a second copy beside its parked one: only a
     message whose run is recorded (a lock in its header, a store keeping
     run records) has the copy that comes second dropped without running.
+    Any other message takes only a slot the waiters leave free, and waits
+    with its backoff alone.
     """
-    if not isinstance(store, SlotHandoff) or header is None or header.key is None:
-        return None
-    return store if isinstance(lock_store, RunRecords) else None
+    if header is None or header.key is None:
+        return False
+    return isinstance(lock_store, RunRecords)
 
 
 def _default_key(
@@ -249,10 +260,15 @@ def leave(slot: Slot | None) -> None:
         return
     _keeper.remove(slot)
     try:
-        if slot.task is not None and isinstance(slot.store, SlotHandoff):
-            woken = slot.store.give_slot_in_turn(slot.key, slot.holder, slot.limit, slot.grace)
-            handoff.wake(slot.task, woken)
-        else:
-            slot.store.give_slot(slot.key, slot.holder)
+        _give(slot)
     except StoreError as exc:
         logger.warning("celery-dedup: could not give a slot back (it lapses): %s", exc)
+
+
+def _give(slot: Slot) -> None:
+    """Give the slot back; on a ``SlotHandoff`` store, wake the waiters it frees room for."""
+    if slot.task is not None and isinstance(slot.store, SlotHandoff):
+        woken = slot.store.give_slot_in_turn(slot.key, slot.holder, slot.limit, slot.grace)
+        handoff.wake(slot.task, woken)
+    else:
+        slot.store.give_slot(slot.key, slot.holder)
