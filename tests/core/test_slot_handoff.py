@@ -7,7 +7,9 @@ its calls in, and its length the number of runs.
 
 from __future__ import annotations
 
+import itertools
 import threading
+import time
 from typing import Any
 
 from celery_dedup import DedupTask, backoff, runs
@@ -34,6 +36,7 @@ def test_waiting_calls_run_in_call_order_each_once(
     marks.delete("handoff:ran")
     deferrals: dict[int, int] = {}
     dropped: set[str] = set()
+    spans: list[tuple[float, float]] = []
 
     @app.task(
         base=DedupTask, shared=False, bind=True, concurrency_limit=1, concurrency_key="{user}"
@@ -41,8 +44,10 @@ def test_waiting_calls_run_in_call_order_each_once(
     def step(self: Any, user: str, n: int) -> int:
         request = self.request
         deferrals[n] = backoff.deferrals_of(request, runs.attempt_of(request))
+        start = time.monotonic()
         marks.rpush("handoff:ran", n)
         threading.Event().wait(0.2)
+        spans.append((start, time.monotonic()))
         return n
 
     def on_skip(sender: Any = None, reason: str = "", task_id: str = "", **_: Any) -> None:
@@ -66,6 +71,9 @@ def test_waiting_calls_run_in_call_order_each_once(
         # Every parked copy comes back and is dropped: still one run per call.
         wait_until(lambda: waited <= dropped, timeout=90)
         assert [int(x) for x in marks.lrange("handoff:ran", 0, -1)] == list(range(10))
+        # No copy gave back a slot its run's live copy held: never two bodies at once.
+        ordered = sorted(spans)
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(ordered))
     finally:
         task_skipped.disconnect(on_skip)
     slots = runtime_for(app).store
