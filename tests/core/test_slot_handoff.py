@@ -37,6 +37,7 @@ def test_waiting_calls_run_in_call_order_each_once(
     deferrals: dict[int, int] = {}
     dropped: set[str] = set()
     spans: list[tuple[float, float]] = []
+    etas: dict[int, Any] = {}
 
     @app.task(
         base=DedupTask, shared=False, bind=True, concurrency_limit=1, concurrency_key="{user}"
@@ -44,6 +45,7 @@ def test_waiting_calls_run_in_call_order_each_once(
     def step(self: Any, user: str, n: int) -> int:
         request = self.request
         deferrals[n] = backoff.deferrals_of(request, runs.attempt_of(request))
+        etas[n] = request.eta  # a parked copy has one (its countdown); a woken copy none
         start = time.monotonic()
         marks.rpush("handoff:ran", n)
         threading.Event().wait(0.2)
@@ -68,6 +70,7 @@ def test_waiting_calls_run_in_call_order_each_once(
         assert all(count <= 1 for count in deferrals.values()), deferrals
         waited = {r.id for r, n in zip(results, range(10), strict=True) if deferrals[n]}
         assert waited, "no call waited: the test did not exercise the handoff"
+        assert all(eta is None for eta in etas.values()), etas  # every run was a woken copy
         # Every parked copy comes back and is dropped: still one run per call.
         wait_until(lambda: waited <= dropped, timeout=90)
         assert [int(x) for x in marks.lrange("handoff:ran", 0, -1)] == list(range(10))
@@ -131,3 +134,42 @@ def _revoked_ids(worker: Any) -> set[str]:
 
     del worker
     return set(state.revoked)
+
+
+def test_a_pickled_message_is_woken_with_its_arguments(
+    app_factory: AppFactory, worker_for: Any, redis_server: RedisServer
+) -> None:
+    """A task serialized with pickle waits and is woken with arguments JSON cannot carry."""
+    app = app_factory(
+        "handoff-pickle",
+        task_serializer="pickle",
+        result_serializer="pickle",
+        accept_content=["pickle", "json"],
+    )
+    release = threading.Event()
+    seen: list[tuple[Any, Any]] = []
+
+    @app.task(
+        base=DedupTask,
+        shared=False,
+        bind=True,
+        concurrency_limit=1,
+        concurrency_key="{user}",
+        unique_on=("n",),
+    )
+    def step(self: Any, user: str, n: int, value: Any) -> Any:
+        seen.append((value, self.request.eta))
+        if value == 0:
+            release.wait(60)
+        return value
+
+    worker_for(app, concurrency=2)
+    first = step.delay("k", 0, 0)
+    wait_until(lambda: len(seen) == 1, timeout=30)
+    waiting = step.delay("k", 1, {1, 2, b"\x00"})
+    key = concurrency_store_key("celery-dedup", step.name, "k")
+    wait_until(lambda: _waiters(redis_server, key) == 1, timeout=30)
+    release.set()
+    assert first.get(timeout=30) == 0
+    assert waiting.get(timeout=30) == {1, 2, b"\x00"}
+    assert seen == [(0, None), ({1, 2, b"\x00"}, None)]  # run by its woken copy
