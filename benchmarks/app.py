@@ -68,3 +68,27 @@ def peer_tasks() -> tuple[Any, Any]:
         return n
 
     return once, singleton
+
+
+#: the Redis list each ``serial`` body appends its call number to when it starts
+SERIAL_STARTED = "bench:serial:started"
+#: ... and when it ends
+SERIAL_ENDED = "bench:serial:ended"
+
+
+@app.task(
+    name="bench.serial", base=DedupTask, shared=False, concurrency_limit=1,
+    concurrency_key="{key}",
+)
+def serial(key: str, n: int, seconds: float) -> int:
+    """A body of ``seconds`` that one key runs one at a time (``concurrency_limit=1``)."""
+    import time
+
+    import redis
+
+    marks = redis.Redis.from_url(os.environ["BENCH_STORE"])
+    marks.rpush(SERIAL_STARTED, n)
+    time.sleep(seconds)
+    marks.rpush(SERIAL_ENDED, n)
+    marks.close()
+    return n

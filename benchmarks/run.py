@@ -49,6 +49,7 @@ ROWS = (
     "f_acquire_small", "f_acquire_large", "f_bytes_per_lock", "f_bytes_per_lock_info",
     "h_postgres_store", "h_postgres_raw", "h_sqlite_store", "h_sqlite_raw",
     "l_lease_pass_1000", "l_lease_one_by_one_1000", "l_lease_ms_per_s",
+    "k_handoff_wall_vs_ideal", "k_handoff_in_call_order",
 )
 ROUND_TRIPS = ("acquire", "duplicate", "release", "release_api", "executed")
 
@@ -315,6 +316,55 @@ def worker_rows(
     return rows
 
 
+def handoff_rows(bench: ModuleType, store_url: str, calls: int, seconds: float) -> dict[str, float]:
+    """``calls`` bodies of ``seconds`` for one key at ``concurrency_limit=1``, through a real
+    prefork worker of 4 processes: the wall time over the ideal ``calls * seconds``, and
+    whether the bodies ran in call order (1) or not (0).
+
+    The first call is published, and the others once its body started: they find
+    the slot held and wait for it (a call that finds a slot free runs at once). The
+    wall time runs from the first publish to the end of the last body.
+    """
+    marks = redis.Redis.from_url(store_url)
+    marks.delete(bench.SERIAL_STARTED, bench.SERIAL_ENDED)
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    argv = [sys.executable, "-m", "celery", "-A", "benchmarks.app", "worker", "-P", "prefork",
+            "-c", "4", "-Q", bench.QUEUE, "--without-gossip", "--without-mingle",
+            "--without-heartbeat", "-l", "WARNING"]
+    app = bench.app
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            deadline = time.monotonic() + 60
+            while not app.control.ping(timeout=0.5):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    log.seek(0)
+                    raise RuntimeError(f"the worker did not start: {log.read()[-2000:]!r}")
+            key = f"handoff-{time.time_ns()}"
+            start = time.monotonic()
+            bench.serial.delay(key, 0, seconds)
+            while not marks.llen(bench.SERIAL_STARTED):
+                time.sleep(0.005)
+            for n in range(1, calls):
+                bench.serial.delay(key, n, seconds)
+            deadline = time.monotonic() + calls * seconds * 10 + 60
+            while marks.llen(bench.SERIAL_ENDED) < calls:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the serial calls did not all run")
+                time.sleep(0.01)
+            wall = time.monotonic() - start
+            started = [int(n) for n in marks.lrange(bench.SERIAL_STARTED, 0, -1)]
+        finally:
+            stop(proc)
+            marks.close()
+    return {
+        "k_handoff_wall_vs_ideal": wall / (calls * seconds),
+        "k_handoff_in_call_order": float(started == list(range(calls))),
+    }
+
+
 def lease_rows(bench: ModuleType, store_url: str, running: int, rounds: int) -> dict[str, Any]:
     """Lease upkeep of a worker running ``running`` long tasks at once.
 
@@ -471,6 +521,7 @@ def run(*, smoke: bool = False, iterations: int | None = None, rounds: int | Non
             rows.update(worker_rows(bench, broker_url, store_url, tasks, trips))
             rows.update(scale_rows(bench, store_url, small, large, n, r))
             rows.update(lease_rows(bench, store_url, 1000, r))
+            rows.update(handoff_rows(bench, store_url, 10, 0.2 if smoke else 1.0))
             server = redis.Redis.from_url(store_url).info("server")["redis_version"]
         finally:
             bench.app.close()
@@ -556,6 +607,8 @@ LABELS = {
     "l_lease_pass_1000": ("(l) lease upkeep pass, 1,000 running", "µs"),
     "l_lease_one_by_one_1000": ("    1,000 leases, one round trip each", "µs"),
     "l_lease_ms_per_s": ("    upkeep per second (60 s lease)", "ms/s"),
+    "k_handoff_wall_vs_ideal": ("(k) 10 bodies of 1 s, limit 1: wall/ideal", "x"),
+    "k_handoff_in_call_order": ("    ran in call order (1 yes, 0 no)", ""),
 }
 
 

@@ -23,6 +23,10 @@ reason, the countdown follows one curve:
   restore the message to the queue, and every restored copy would be
   deferred again, multiplying the copies of one message.
 
+A message deferred by a full concurrency limit on a store that hands slots
+over (``handoff``) is published again at once when a slot frees: its
+countdown is then only the safety net.
+
 The number of deferrals travels with the message in its ``FIELD`` header,
 tagged with the attempt it counts (``runs.attempt_of``): a ``retry()`` is a
 new attempt and starts from the first step again. Celery's own ``retries``

@@ -125,8 +125,10 @@ OPTIONS: Final[tuple[Option, ...]] = (
            "the key `concurrency_limit` counts per; `None`: the deduplication key",
            requires=("concurrency_limit", "")),
     Option("concurrency_backoff", False, True, "seconds > 0 or `None`",
-           "the countdown of a message deferred by `concurrency_limit`; `None`: a third of "
-           "`dedup_lease_ttl`, jittered",
+           "the countdown of a message deferred by `concurrency_limit` (with the "
+           "[handoff](limits.md#handoff-a-freed-slot-goes-to-the-oldest-waiting-message), "
+           "the safety net), and how long a slot reserved for a woken message waits for it; "
+           "`None`: a third of `dedup_lease_ttl`, jittered",
            requires=("concurrency_limit", "")),
     Option("rate_limit_per_key", False, True,
            '`"N/s"`, `"N/m"`, `"N/h"`, `"N/d"` (N >= 1) or `None`',

@@ -4,7 +4,10 @@ A body takes a slot of its concurrency key before its start check (one
 round trip), a thread of the process running it renews the slot's lease
 every third of it, and the body gives it back when it ends (one round
 trip). A message that finds the key full is deferred: the worker publishes
-the very same message again with a jittered countdown.
+the very same message again with a jittered countdown. On a store that
+hands slots over (``SlotHandoff``) it also waits in the key's wait list,
+and the body that frees a slot publishes the oldest waiter at once
+(``handoff``); the deferred copy is then the safety net.
 """
 
 from __future__ import annotations
@@ -15,13 +18,14 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from . import handoff
 from .exceptions import LimitsNotSupported, StoreError
 from .header import LockHeader
 from .lifecycle import Outcome
 from .limits import concurrency_store_key, key_text, limits_of, slots_of
 from .options import Fallback
 from .runs import record_life
-from .stores.base import SlotSupport
+from .stores.base import RunRecords, SlotHandoff, SlotSupport
 
 if TYPE_CHECKING:
     from .task import DedupTask
@@ -42,6 +46,10 @@ class Slot:
     ttl: float
     #: the key's ``concurrency_limit``: taking the slot back after a stall obeys it
     limit: int = 1
+    #: the body's task when the store hands freed slots over (``handoff``): giving
+    #: the slot back wakes the key's oldest waiters, their reservations lasting ``grace``
+    task: DedupTask | None = None
+    grace: float = 0.0
 
 
 class _Keeper:
@@ -112,9 +120,17 @@ class _Keeper:
         """
         if not self.holds(slot):
             return False
-        taken, in_use = slot.store.take_slot(slot.key, slot.holder, slot.limit, slot.ttl)
+        if slot.task is not None and isinstance(slot.store, SlotHandoff):
+            # Within what the key's waiters leave: a reserved slot is in use.
+            turn = slot.store.take_slot_in_turn(
+                slot.key, slot.holder, slot.limit, slot.ttl, None, slot.grace
+            )
+            taken, in_use = turn.taken, turn.in_use
+            handoff.wake(slot.task, turn.woken)
+        else:
+            taken, in_use = slot.store.take_slot(slot.key, slot.holder, slot.limit, slot.ttl)
         if taken and not self.holds(slot):
-            slot.store.give_slot(slot.key, slot.holder)  # its body ended meanwhile
+            _give(slot)  # its body ended meanwhile
             return False
         if not taken:
             logger.warning(
@@ -161,21 +177,30 @@ def enter(task: DedupTask, request: Any, args: Any, kwargs: Any) -> Slot | None:
     lease = runtime.settings.lease_ttl
     ttl = record_life(lease)
     holder = f"{request.id}:{os.urandom(8).hex()}"
+    # The deferral backoff grows from the limit's own first step.
+    base = limits.backoff if limits.backoff is not None else lease / 3.0
+    turns = store if isinstance(store, SlotHandoff) else None
+    countdown: float | None = None
     try:
-        taken, in_use = store.take_slot(key, holder, limits.concurrency, ttl)
+        if turns is None:
+            taken, in_use = store.take_slot(key, holder, limits.concurrency, ttl)
+        else:
+            countdown = worker.deferral_countdown(task, request, base)
+            waiter = None
+            if _may_wait(runtime.store, header):
+                waiter = handoff.waiter_of(task, request, args, kwargs, countdown)
+            turn = turns.take_slot_in_turn(key, holder, limits.concurrency, ttl, waiter, base)
+            taken, in_use = turn.taken, turn.in_use
+            handoff.wake(task, turn.woken)
     except LimitsNotSupported as exc:  # a store of a kind that keeps none (a SQL dialect)
         raise LimitsNotSupported(task.name, "concurrency_limit", exc.store) from None
     except StoreError as exc:
         if runtime.settings.fallback is Fallback.CLOSED:
             reason = f"the store did not answer: {exc}"
             worker._defer(task, request, args, kwargs, key, reason)
-        logger.warning(
-            "celery-dedup: %s[%s] runs without its slot: %s", task.name, request.id, exc
-        )
+        logger.warning("celery-dedup: %s[%s] runs without its slot: %s", task.name, request.id, exc)
         return None
     if not taken:
-        # The deferral backoff grows from the limit's own first step.
-        base = limits.backoff if limits.backoff is not None else lease / 3.0
         worker._defer(
             task,
             request,
@@ -184,10 +209,26 @@ def enter(task: DedupTask, request: Any, args: Any, kwargs: Any) -> Slot | None:
             key,
             f"concurrency limit {limits.concurrency} reached ({in_use} running)",
             base,
+            countdown=countdown,
         )
-    slot = Slot(store, key, holder, ttl, limits.concurrency)
+    woke = task if turns is not None else None
+    slot = Slot(store, key, holder, ttl, limits.concurrency, woke, base)
     _keeper.add(slot)
     return slot
+
+
+def _may_wait(lock_store: object, header: LockHeader | None) -> bool:
+    """Whether this message may wait in the key's wait list (``handoff``).
+
+    A woken message runs as a second copy beside its parked one: only a
+    message whose run is recorded (a lock in its header, a store keeping
+    run records) has the copy that comes second dropped without running.
+    Any other message takes only a slot the waiters leave free, and waits
+    with its backoff alone.
+    """
+    if header is None or header.key is None:
+        return False
+    return isinstance(lock_store, RunRecords)
 
 
 def _default_key(
@@ -219,8 +260,15 @@ def leave(slot: Slot | None) -> None:
         return
     _keeper.remove(slot)
     try:
-        slot.store.give_slot(slot.key, slot.holder)
+        _give(slot)
     except StoreError as exc:
         logger.warning("celery-dedup: could not give a slot back (it lapses): %s", exc)
 
 
+def _give(slot: Slot) -> None:
+    """Give the slot back; on a ``SlotHandoff`` store, wake the waiters it frees room for."""
+    if slot.task is not None and isinstance(slot.store, SlotHandoff):
+        woken = slot.store.give_slot_in_turn(slot.key, slot.holder, slot.limit, slot.grace)
+        handoff.wake(slot.task, woken)
+    else:
+        slot.store.give_slot(slot.key, slot.holder)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -20,6 +21,7 @@ from .exceptions import (
     InvalidOptionError,
     MissingDeduplicationKey,
 )
+from .handoff import CALLED_FIELD
 from .header import HEADER, NO_LOCK, LockHeader
 from .identity import (
     ArgumentBinder,
@@ -466,6 +468,8 @@ class DedupTask(_Task):
             # worker's delivery token belongs to that delivery only.
             headers.pop(DELIVERY_FIELD, None)
             headers.pop(INHERITED_FIELD, None)
+            # The call's place in a full concurrency key's wait list (kept by a retry).
+            headers.setdefault(CALLED_FIELD, time.time())
             options["headers"] = headers
             return super(DedupTask, self).apply_async(
                 cast(Any, args),
@@ -550,11 +554,7 @@ class DedupTask(_Task):
         it anyway or raises.
         """
         assert call.unique_for is not None
-        if (
-            options.get("group_id")
-            or options.get("chord")
-            or options.get("chain") is not None
-        ):
+        if options.get("group_id") or options.get("chord") or options.get("chain") is not None:
             return mark_result(publish(task_id or uuid(), NO_LOCK), key)
         native.warn_unhonoured(
             self.name,

@@ -29,7 +29,7 @@ from celery.worker.control import control_command
 from celery.worker.request import Request
 from kombu.serialization import registry  # type: ignore[attr-defined]
 
-from . import backoff, coalesce, incarnation, leases, requeue, runs
+from . import backoff, coalesce, handoff, incarnation, leases, requeue, runs
 from .exceptions import MalformedHeader, StoreContention, StoreError, StoreUnavailable
 from .header import HEADER, MAX_TOKEN, LockHeader, new_token, read_header
 from .identity import bound_queue, deterministic_task_id
@@ -568,8 +568,32 @@ def _defer(
         existing_task_id=request.id,
         reason=f"deferred: {reason}",
     )
+    options = deferred_options(task, request, args, kwargs, countdown, keep_token=keep_token)
+    plain: Any = task  # the message as it was: Celery's own publish, no new lock
+    Task.apply_async(plain, args, kwargs, **options)
+    raise Ignore(f"celery-dedup: deferred ({reason})")
+
+
+def deferred_options(
+    task: DedupTaskLike,
+    request: Any,
+    args: Any,
+    kwargs: Any,
+    countdown: float | None,
+    *,
+    keep_token: bool = False,
+) -> dict[str, Any]:
+    """The publish options of this message's deferred copy (``_defer``; a slot handoff).
+
+    The same task id, header and options, without the delivery token, with
+    the deferral count of this deferral; ``countdown`` ``None``: at once.
+    """
+    attempt = runs.attempt_of(request)
+    deferrals = backoff.deferrals_of(request, attempt) + 1
     sig = task.signature_from_request(request, args, kwargs, countdown=countdown)
     options = dict(sig.options)
+    if countdown is None:
+        options.pop("countdown", None)
     headers = dict(options.get("headers") or {})
     header = header_of(request)
     if header is not None:
@@ -577,15 +601,16 @@ def _defer(
     headers.pop(runs.DELIVERY_FIELD, None)
     headers.pop(runs.INHERITED_FIELD, None)
     headers[backoff.FIELD] = backoff.mark(attempt, deferrals)
+    called = handoff.called_at(request)
+    if called is not None:  # the copy keeps the call's place in a slot's wait list
+        headers[handoff.CALLED_FIELD] = called
     token = getattr(request, runs.DELIVERY_FIELD, None)
     if keep_token and token:
         # The store did not answer: the lease may still land (a stalled server
         # runs the command later). The copy that claims next inherits it.
         headers[runs.INHERITED_FIELD] = token
     options["headers"] = headers
-    plain: Any = task  # the message as it was: Celery's own publish, no new lock
-    Task.apply_async(plain, args, kwargs, **options)
-    raise Ignore(f"celery-dedup: deferred ({reason})")
+    return options
 
 
 def _done_ttl(task: DedupTaskLike, held: Held) -> float:

@@ -58,8 +58,11 @@ __all__ = [
     "RunOutcome",
     "RunRecords",
     "RunRef",
+    "SlotHandoff",
     "SlotSupport",
+    "SlotTurn",
     "SlotUsage",
+    "SlotWaiter",
     "gate_record_key",
     "os_error_kind",
     "refused_unless_passed",
@@ -391,9 +394,7 @@ class QueuedTakeOver(Protocol):
     then acquires (three).
     """
 
-    def take_over_queued(
-        self, key: str, owner: str, ttl: float, meta: LockMeta
-    ) -> Lock | None:
+    def take_over_queued(self, key: str, owner: str, ttl: float, meta: LockMeta) -> Lock | None:
         """Make ``owner`` the holder of ``key`` (not started) unless a started holder holds it.
 
         One round trip, atomic. Returns the previous live holder, or ``None``
@@ -524,6 +525,8 @@ class DurabilityReport(Protocol):
 
     def durability(self) -> Durability:
         """Ask the server (one round trip); never raises: errors go to ``error``."""
+
+
 @runtime_checkable
 class SlotSupport(Protocol):
     """**Protocol:** a store that keeps concurrency slots (``concurrency_limit``).
@@ -550,6 +553,71 @@ class SlotSupport(Protocol):
 
     def slots_in_use(self, key: str) -> int:
         """How many live leases ``key`` has."""
+
+
+@dataclass(frozen=True)
+class SlotWaiter:
+    """A message waiting for a slot of a full concurrency key (``SlotHandoff``)."""
+
+    #: the waiting message's task id (one entry per id: its copies share it)
+    id: str
+    #: its place in the wait list, in seconds (its call time): the oldest goes first;
+    #: a waiter already listed keeps the place it had
+    order: float
+    #: the message to publish when a slot is reserved for it (opaque to the store)
+    payload: bytes
+    #: seconds the entry lives unless the waiter registers again
+    life: float
+
+
+@dataclass(frozen=True)
+class SlotTurn:
+    """The answer of ``SlotHandoff.take_slot_in_turn``."""
+
+    #: whether the holder holds a slot now
+    taken: bool
+    #: slots in use after the call (reservations included)
+    in_use: int
+    #: the payloads of the waiters a slot was reserved for, oldest first
+    woken: tuple[bytes, ...] = ()
+
+
+@runtime_checkable
+class SlotHandoff(Protocol):
+    """**Protocol:** a ``SlotSupport`` store that hands a freed slot to the oldest waiter.
+
+    Beside a key's holders the store keeps its wait list (waiter id, place,
+    payload, expiry) and its reservations (waiter id -> expiry, each one a
+    slot in use). Every call drops lapsed holders, reservations and waiters
+    first, and ends with the dispatch: while a slot is free and a waiter
+    waits, the oldest waiter gets a reservation and its payload is returned
+    for the caller to publish. One round trip per call, atomic on the
+    server; every key it writes carries a TTL.
+    """
+
+    def take_slot_in_turn(
+        self,
+        key: str,
+        holder: str,
+        limit: int,
+        ttl: float,
+        waiter: SlotWaiter | None,
+        grace: float,
+    ) -> SlotTurn:
+        """Take a slot for ``holder`` in turn, or wait for one as ``waiter``.
+
+        A holder that holds a slot keeps it (renewed). A reservation for
+        ``waiter.id`` is taken as the slot. Otherwise ``waiter`` is listed
+        (or refreshed, keeping its place) and takes a free slot only when
+        no waiter listed before it is left unserved; without a ``waiter``
+        the holder takes a slot the waiters leave free. Reservations made
+        by the dispatch lapse after ``grace`` seconds.
+        """
+
+    def give_slot_in_turn(
+        self, key: str, holder: str, limit: int, grace: float
+    ) -> tuple[bytes, ...]:
+        """Give ``holder``'s slot back and dispatch: the payloads of the waiters woken."""
 
 
 @dataclass(frozen=True)

@@ -5,16 +5,17 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 
-from .base import RateAnswer, RateWindow, SlotUsage
+from .base import RateAnswer, RateWindow, SlotTurn, SlotUsage, SlotWaiter
 from .rate_entries import new_entry, task_id_of
 
 __all__ = ["MemoryLimits"]
 
 
 class MemoryLimits:
-    """``SlotSupport`` and ``RateSupport`` in dicts (a mixin of ``MemoryStore``).
+    """``SlotSupport``, ``SlotHandoff`` and ``RateSupport`` in dicts (a mixin of ``MemoryStore``).
 
     The same semantics as the Redis scripts: slots are leases that lapse,
+    a full key keeps a wait list whose oldest waiter gets each freed slot,
     rates a sliding window whose delayed publishes reserve their place.
     """
 
@@ -56,6 +57,103 @@ class MemoryLimits:
         """Give the holder's slot back."""
         with self._mutex:
             return self._slots.get(key, {}).pop(holder, None) is not None
+
+    @property
+    def _waits(self) -> dict[str, dict[str, tuple[float, float, bytes]]]:
+        """Per key: waiter id -> (place, expiry, payload)."""
+        found: dict[str, dict[str, tuple[float, float, bytes]]] | None = self.__dict__.get(
+            "_wait_table"
+        )
+        if found is None:
+            found = self.__dict__["_wait_table"] = {}
+        return found
+
+    @property
+    def _reserved(self) -> dict[str, dict[str, float]]:
+        """Per key: waiter id -> reservation expiry."""
+        found: dict[str, dict[str, float]] | None = self.__dict__.get("_reserved_table")
+        if found is None:
+            found = self.__dict__["_reserved_table"] = {}
+        return found
+
+    def _live_turns(
+        self, key: str, now: float
+    ) -> tuple[dict[str, float], dict[str, tuple[float, float, bytes]], dict[str, float]]:
+        holders = self._live_slots(key, now)
+        waiters = self._waits.setdefault(key, {})
+        for name, (_, expiry, _) in list(waiters.items()):
+            if expiry <= now:
+                del waiters[name]
+        reserved = self._reserved.setdefault(key, {})
+        for name, expiry in list(reserved.items()):
+            if expiry <= now:
+                del reserved[name]
+        return holders, waiters, reserved
+
+    def take_slot_in_turn(
+        self,
+        key: str,
+        holder: str,
+        limit: int,
+        ttl: float,
+        waiter: SlotWaiter | None,
+        grace: float,
+    ) -> SlotTurn:
+        """Take a slot in turn, or wait for one (``SlotHandoff``)."""
+        with self._mutex:
+            now = self.clock()
+            holders, waiters, reserved = self._live_turns(key, now)
+            me = waiter.id if waiter is not None else None
+            taken = holder in holders
+            if not taken and me is not None and reserved.pop(me, None) is not None:
+                taken = True
+            elif not taken and waiter is not None:
+                place = waiters[waiter.id][0] if waiter.id in waiters else waiter.order
+                waiters[waiter.id] = (place, now + waiter.life, waiter.payload)
+            if taken:
+                holders[holder] = now + ttl
+                if me is not None:
+                    waiters.pop(me, None)
+            woken, taken = self._dispatch(key, now, limit, grace, holder, me, taken, ttl)
+            if not taken and waiter is None and len(holders) + len(reserved) < limit:
+                holders[holder] = now + ttl
+                taken = True
+            return SlotTurn(taken, len(holders) + len(reserved), woken)
+
+    def give_slot_in_turn(
+        self, key: str, holder: str, limit: int, grace: float
+    ) -> tuple[bytes, ...]:
+        """Give the holder's slot back and hand the freed slots to the oldest waiters."""
+        with self._mutex:
+            now = self.clock()
+            self._live_turns(key, now)[0].pop(holder, None)
+            return self._dispatch(key, now, limit, grace, holder, None, False, 0.0)[0]
+
+    def _dispatch(
+        self,
+        key: str,
+        now: float,
+        limit: int,
+        grace: float,
+        holder: str,
+        me: str | None,
+        taken: bool,
+        ttl: float,
+    ) -> tuple[tuple[bytes, ...], bool]:
+        """Reserve the free slots for the oldest waiters (``me`` takes its own)."""
+        holders, waiters, reserved = self._live_turns(key, now)
+        free = limit - len(holders) - len(reserved)
+        queue = sorted(waiters.items(), key=lambda item: (item[1][0], item[0]))[: max(free, 0)]
+        woken = []
+        for name, (_, _, payload) in queue:
+            del waiters[name]
+            if name == me and not taken:
+                holders[holder] = now + ttl
+                taken = True
+            else:
+                reserved[name] = now + grace
+                woken.append(payload)
+        return tuple(woken), taken
 
     def renew_slots(self, slots: Sequence[tuple[str, str]], ttl: float) -> int:
         """Renew every live lease of the given holders."""

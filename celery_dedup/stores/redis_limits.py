@@ -19,7 +19,7 @@ from typing import Any
 import redis
 from redis.commands.core import Script
 
-from .base import RateAnswer, RateWindow, SlotUsage
+from .base import RateAnswer, RateWindow, SlotTurn, SlotUsage, SlotWaiter
 from .rate_entries import new_entry, task_id_of
 
 __all__ = ["RedisLimits"]
@@ -47,6 +47,101 @@ if held then
   return {1, n}
 end
 return {1, n + 1}
+"""
+
+# The handoff (SlotHandoff): beside the slot key K, in its hash slot,
+# W (sorted set waiter id -> place), E (sorted set waiter id -> expiry ms),
+# P (hash waiter id -> payload) and R (sorted set waiter id -> reservation
+# expiry ms; each one a slot in use).
+# KEYS[1..5] - K, W, E, P, R
+# ARGV[1] - the holder
+# ARGV[2] - the number of slots
+# ARGV[3] - the lease in milliseconds ("" : give the holder's slot back)
+# ARGV[4] - the waiter id ("" : none)
+# ARGV[5] - the waiter's place
+# ARGV[6] - the waiter's life in milliseconds
+# ARGV[7] - the waiter's payload
+# ARGV[8] - a reservation's grace in milliseconds
+# return {1 if the holder holds a slot now else 0, slots in use, payload, ...}
+TURN_SLOT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local K, W, E, P, R = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local limit = tonumber(ARGV[2])
+local grace = tonumber(ARGV[8])
+local me = ARGV[4]
+local function longer(key, ms)
+  if redis.call('PTTL', key) < ms then
+    redis.call('PEXPIRE', key, ms)
+  end
+end
+local function unlist(name)
+  redis.call('ZREM', W, name)
+  redis.call('ZREM', E, name)
+  redis.call('HDEL', P, name)
+end
+redis.call('ZREMRANGEBYSCORE', K, '-inf', now)
+redis.call('ZREMRANGEBYSCORE', R, '-inf', now)
+for _, name in ipairs(redis.call('ZRANGEBYSCORE', E, '-inf', now)) do
+  unlist(name)
+end
+local taken = false
+local ttl = 0
+if ARGV[3] == '' then
+  redis.call('ZREM', K, ARGV[1])
+else
+  ttl = tonumber(ARGV[3])
+  taken = redis.call('ZSCORE', K, ARGV[1]) ~= false
+  if not taken and me ~= '' and redis.call('ZREM', R, me) == 1 then
+    taken = true
+  elseif not taken and me ~= '' then
+    redis.call('ZADD', W, 'NX', ARGV[5], me)
+    redis.call('ZADD', E, now + tonumber(ARGV[6]), me)
+    redis.call('HSET', P, me, ARGV[7])
+    longer(W, tonumber(ARGV[6]))
+    longer(E, tonumber(ARGV[6]))
+    longer(P, tonumber(ARGV[6]))
+  end
+  if taken then
+    redis.call('ZADD', K, now + ttl, ARGV[1])
+    if me ~= '' then
+      unlist(me)
+    end
+  end
+end
+local free = limit - redis.call('ZCARD', K) - redis.call('ZCARD', R)
+local woken = {}
+if free > 0 then
+  for _, name in ipairs(redis.call('ZRANGE', W, 0, free - 1)) do
+    if name == me and not taken then
+      redis.call('ZADD', K, now + ttl, ARGV[1])
+      taken = true
+    else
+      local payload = redis.call('HGET', P, name)
+      if payload then
+        redis.call('ZADD', R, now + grace, name)
+        table.insert(woken, payload)
+      end
+    end
+    unlist(name)
+  end
+  if #woken > 0 then
+    longer(R, grace)
+  end
+end
+if not taken and ttl > 0 and me == '' and
+    redis.call('ZCARD', K) + redis.call('ZCARD', R) < limit then
+  redis.call('ZADD', K, now + ttl, ARGV[1])
+  taken = true
+end
+if taken then
+  longer(K, ttl)
+end
+local answer = {taken and 1 or 0, redis.call('ZCARD', K) + redis.call('ZCARD', R)}
+for _, payload in ipairs(woken) do
+  table.insert(answer, payload)
+end
+return answer
 """
 
 # KEYS[1] - the slot key
@@ -125,6 +220,10 @@ def _ms(seconds: float) -> int:
     return max(1, int(seconds * 1000))
 
 
+def _bytes(value: Any) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode()
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -147,11 +246,15 @@ class RedisLimits:
     def _boundary(self) -> AbstractContextManager[None]:
         raise NotImplementedError
 
+    def _marker(self, key: str, owner: str, kind: str = "revoked") -> str:
+        raise NotImplementedError
+
     @cached_property
     def _limit_scripts(self) -> dict[str, Script]:
         register = self.client.register_script
         return {
             "take": register(TAKE_SLOT),
+            "turn": register(TURN_SLOT),
             "renew": register(RENEW_SLOT),
             "in_use": register(SLOTS_IN_USE),
             "rate": register(HIT_RATE),
@@ -173,6 +276,38 @@ class RedisLimits:
         """ZREM the holder (one round trip)."""
         with self._boundary():
             return bool(self.client.zrem(self._k(key), holder))
+
+    # -- SlotHandoff ------------------------------------------------------
+
+    def _turn_keys(self, key: str) -> list[str]:
+        """The slot key and its wait list's keys (all in the slot key's hash slot)."""
+        return [self._k(key)] + [self._marker(key, "", kind) for kind in ("w", "e", "p", "r")]
+
+    def take_slot_in_turn(
+        self,
+        key: str,
+        holder: str,
+        limit: int,
+        ttl: float,
+        waiter: SlotWaiter | None,
+        grace: float,
+    ) -> SlotTurn:
+        """Take a slot in turn, or wait for one (one EVALSHA)."""
+        if waiter is None:
+            listed: list[Any] = ["", 0, 0, b""]
+        else:
+            listed = [waiter.id, int(waiter.order * 1000), _ms(waiter.life), waiter.payload]
+        args = [holder, limit, _ms(ttl), *listed, _ms(grace)]
+        raw = self._run(self._limit_scripts["turn"], self._turn_keys(key), args)
+        return SlotTurn(bool(int(raw[0])), int(raw[1]), tuple(_bytes(p) for p in raw[2:]))
+
+    def give_slot_in_turn(
+        self, key: str, holder: str, limit: int, grace: float
+    ) -> tuple[bytes, ...]:
+        """Give the slot back and wake the oldest waiters (one EVALSHA)."""
+        args = [holder, limit, "", "", 0, 0, b"", _ms(grace)]
+        raw = self._run(self._limit_scripts["turn"], self._turn_keys(key), args)
+        return tuple(_bytes(p) for p in raw[2:])
 
     def renew_slots(self, slots: Sequence[tuple[str, str]], ttl: float) -> int:
         """Renew every held lease: one pipelined round trip for all of them (a cluster:
@@ -210,7 +345,6 @@ class RedisLimits:
         """The window as it is (one EVALSHA that counts nothing)."""
         args = ["", limit, _ms(period), ""]
         return _answer(self._run(self._limit_scripts["rate"], [self._k(key)], args))
-
 
     # -- LimitListing ------------------------------------------------------
 
@@ -257,8 +391,7 @@ class RedisLimits:
                             raise raw
                         pairs = raw[1:]
                         entries = [
-                            (_text(pairs[i]), float(pairs[i + 1]))
-                            for i in range(0, len(pairs), 2)
+                            (_text(pairs[i]), float(pairs[i + 1])) for i in range(0, len(pairs), 2)
                         ]
                         found.append((physical[strip:], float(raw[0]), entries))
         return sorted(found)

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
 
 from celery_dedup.stores import store_from_url
-from celery_dedup.stores.base import LimitListing, RateSupport, SlotSupport
+from celery_dedup.stores.base import (
+    LimitListing,
+    RateSupport,
+    SlotHandoff,
+    SlotSupport,
+    SlotTurn,
+    SlotWaiter,
+)
 from celery_dedup.stores.memory import MemoryStore
 from tests.fixtures._store_case import StoreCase
 from tests.fixtures.redis import RedisServer
@@ -22,12 +30,16 @@ from tests.fixtures.redis import RedisServer
 ])
 def limited_store(request: pytest.FixtureRequest) -> Iterator[object]:
     """A store with slots and rates, emptied."""
-    if request.param in ("postgres", "redis-cluster"):
-        fixture = "store_postgres" if request.param == "postgres" else "store_redis_cluster"
+    yield from _emptied(request, request.param)
+
+
+def _emptied(request: pytest.FixtureRequest, kind: str) -> Iterator[object]:
+    if kind in ("postgres", "redis-cluster"):
+        fixture = "store_postgres" if kind == "postgres" else "store_redis_cluster"
         case: StoreCase = request.getfixturevalue(fixture)
         yield case.store
         return
-    if request.param == "redis":
+    if kind == "redis":
         server: RedisServer = request.getfixturevalue("redis_server")
         server.flush(9)
         store = store_from_url(server.url(9))
@@ -203,3 +215,78 @@ def test_rate_window_counts_publishes_not_task_ids(limited_store: object) -> Non
     assert delayed.admitted and 55 < delayed.wait <= 60 and delayed.last == "fixed-id"
     (listed,) = store.list_rates("celery-dedup-rate:t:same")
     assert len(listed.ages) == 3 and listed.last == "fixed-id"
+
+
+@pytest.fixture(params=[
+    pytest.param("redis", marks=pytest.mark.redis, id="redis"),
+    pytest.param("redis-cluster", marks=pytest.mark.redis_cluster, id="redis-cluster"),
+    pytest.param("memory", id="memory"),
+])
+def handoff_store(request: pytest.FixtureRequest) -> Iterator[SlotHandoff]:
+    """A store that hands freed slots to waiters (``SlotHandoff``), emptied."""
+    for store in _emptied(request, request.param):
+        assert isinstance(store, SlotHandoff)
+        yield store
+
+
+def _waiter(name: str, order: float, life: float = 60.0) -> SlotWaiter:
+    return SlotWaiter(name, order, f"payload of {name}".encode(), life)
+
+
+def test_handoff_serves_waiters_oldest_first(handoff_store: SlotHandoff) -> None:
+    """Limit 1: the holder's give wakes the oldest waiter, whose copy takes the reserved slot;
+    a newcomer never jumps the line; the last give leaves the key empty."""
+    store, key = handoff_store, "celery-dedup-slots:t:hand"
+    assert store.take_slot_in_turn(key, "a:1", 1, 30, _waiter("a", 1.0), 5) == SlotTurn(True, 1)
+    # Registered out of call order: the list follows the call time, not the arrival.
+    for name, order in (("c", 3.0), ("b", 2.0), ("d", 4.0)):
+        assert store.take_slot_in_turn(key, f"{name}:1", 1, 30, _waiter(name, order), 5) == (
+            SlotTurn(False, 1)
+        )
+    # A waiter coming back (its parked copy) keeps its place, even with a later time.
+    assert not store.take_slot_in_turn(key, "c:2", 1, 30, _waiter("c", 9.0), 5).taken
+    assert store.give_slot_in_turn(key, "a:1", 1, 5) == (b"payload of b",)
+    # The slot is reserved for b: a newcomer (even an older call) and c wait.
+    assert store.take_slot_in_turn(key, "e:1", 1, 30, _waiter("e", 0.5), 5) == SlotTurn(False, 1)
+    assert store.take_slot_in_turn(key, "b:2", 1, 30, _waiter("b", 2.0), 5) == SlotTurn(True, 1)
+    order = []
+    holder = "b:2"
+    for _ in range(3):
+        woken = store.give_slot_in_turn(key, holder, 1, 5)
+        assert len(woken) == 1
+        name = woken[0].decode().rsplit(" ", 1)[1]
+        order.append(name)
+        holder = f"{name}:3"
+        assert store.take_slot_in_turn(key, holder, 1, 30, _waiter(name, 99.0), 5).taken
+    assert order == ["e", "c", "d"]
+    assert store.give_slot_in_turn(key, holder, 1, 5) == ()
+    assert store.slots_in_use(key) == 0
+
+
+def test_handoff_fills_every_free_slot(handoff_store: SlotHandoff) -> None:
+    """Limit 3, all held, 4 waiters: giving two back wakes the two oldest in one call each;
+    a take without a waiter (a renewal) leaves listed waiters their turn."""
+    store, key = handoff_store, "celery-dedup-slots:t:fill"
+    for n in range(3):
+        assert store.take_slot_in_turn(key, f"h{n}", 3, 30, _waiter(f"h{n}", n), 5).taken
+    for n in range(4):
+        assert not store.take_slot_in_turn(key, f"w{n}", 3, 30, _waiter(f"w{n}", 10 + n), 5).taken
+    assert store.give_slot_in_turn(key, "h0", 3, 5) == (b"payload of w0",)
+    assert store.give_slot_in_turn(key, "h1", 3, 5) == (b"payload of w1",)
+    assert store.take_slot_in_turn(key, "x", 3, 30, None, 5) == SlotTurn(False, 3)
+    assert store.take_slot_in_turn(key, "h2", 3, 30, None, 5) == SlotTurn(True, 3)  # renewal
+
+
+def test_handoff_lapses_reservations_and_waiters(handoff_store: SlotHandoff) -> None:
+    """A reservation whose copy never comes (revoked) lapses after its grace: the next take
+    wakes the next waiter; a waiter whose parked copy stops coming back lapses too."""
+    store, key = handoff_store, "celery-dedup-slots:t:lapse"
+    assert store.take_slot_in_turn(key, "a", 1, 30, _waiter("a", 1), 0.2).taken
+    assert not store.take_slot_in_turn(key, "gone", 1, 30, _waiter("gone", 2, life=0.2), 0.2).taken
+    assert not store.take_slot_in_turn(key, "lost", 1, 30, _waiter("lost", 3), 0.2).taken
+    assert not store.take_slot_in_turn(key, "next", 1, 30, _waiter("next", 4), 0.2).taken
+    time.sleep(0.3)  # "gone" lapsed: "lost" is the oldest live waiter
+    assert store.give_slot_in_turn(key, "a", 1, 0.2) == (b"payload of lost",)
+    time.sleep(0.3)  # the reservation for "lost" lapsed: its copy never came
+    turn = store.take_slot_in_turn(key, "next:2", 1, 30, _waiter("next", 4), 0.2)
+    assert turn == SlotTurn(True, 1)

@@ -1,0 +1,175 @@
+"""A freed concurrency slot goes to the oldest waiting message at once (``handoff``).
+
+Real in-thread workers on Redis (broker, backend and store). Each body
+appends its argument to a Redis list: the list is the order the key ran
+its calls in, and its length the number of runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Any
+
+from celery_dedup import DedupTask, backoff, runs
+from celery_dedup.limits import concurrency_store_key
+from celery_dedup.runtime import runtime_for
+from celery_dedup.signals import task_skipped
+from celery_dedup.stores.base import SlotSupport
+from tests.fixtures.redis import RedisServer
+
+from .conftest import AppFactory, wait_until
+
+
+def test_waiting_calls_run_in_call_order_each_once(
+    app_factory: AppFactory, worker_for: Any, redis_server: RedisServer
+) -> None:
+    """10 calls of one key at concurrency_limit=1 on a worker with 4 threads, nine of them
+    published while the first runs: the bodies run in call order, each once, and every
+    message was deferred at most once: it was woken when the slot came free, not by its
+    backoff (the parked copies come back 10 s and more later, and are dropped as copies
+    of a run that is done).
+    """
+    app = app_factory("handoff")
+    marks = redis_server.client(4)
+    marks.delete("handoff:ran")
+    deferrals: dict[int, int] = {}
+    dropped: set[str] = set()
+    spans: list[tuple[float, float]] = []
+    etas: dict[int, Any] = {}
+
+    @app.task(
+        base=DedupTask, shared=False, bind=True, concurrency_limit=1, concurrency_key="{user}"
+    )
+    def step(self: Any, user: str, n: int) -> int:
+        request = self.request
+        deferrals[n] = backoff.deferrals_of(request, runs.attempt_of(request))
+        etas[n] = request.eta  # a parked copy has one (its countdown); a woken copy none
+        start = time.monotonic()
+        marks.rpush("handoff:ran", n)
+        threading.Event().wait(0.2)
+        spans.append((start, time.monotonic()))
+        return n
+
+    def on_skip(sender: Any = None, reason: str = "", task_id: str = "", **_: Any) -> None:
+        if getattr(sender, "name", None) == step.name and reason == "already ran":
+            dropped.add(task_id)
+
+    task_skipped.connect(on_skip, weak=False)
+    try:
+        worker_for(app, concurrency=4, prefetch_multiplier=4)
+        # The first call takes the free slot; the other nine find it held and wait (a
+        # message that finds a slot free runs at once, whatever older call is still on
+        # its way).
+        results = [step.delay("k", 0)]
+        wait_until(lambda: marks.llen("handoff:ran") == 1, timeout=30)
+        results += [step.delay("k", n) for n in range(1, 10)]
+        assert [r.get(timeout=60) for r in results] == list(range(10))
+        assert [int(x) for x in marks.lrange("handoff:ran", 0, -1)] == list(range(10))
+        assert all(count <= 1 for count in deferrals.values()), deferrals
+        waited = {r.id for r, n in zip(results, range(10), strict=True) if deferrals[n]}
+        assert waited, "no call waited: the test did not exercise the handoff"
+        assert all(eta is None for eta in etas.values()), etas  # every run was a woken copy
+        # Every parked copy comes back and is dropped: still one run per call.
+        wait_until(lambda: waited <= dropped, timeout=90)
+        assert [int(x) for x in marks.lrange("handoff:ran", 0, -1)] == list(range(10))
+        # No copy gave back a slot its run's live copy held: never two bodies at once.
+        ordered = sorted(spans)
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(ordered))
+    finally:
+        task_skipped.disconnect(on_skip)
+    slots = runtime_for(app).store
+    assert isinstance(slots, SlotSupport)
+    key = concurrency_store_key("celery-dedup", step.name, "k")
+    wait_until(lambda: slots.slots_in_use(key) == 0, timeout=30)
+
+
+def test_a_revoked_waiter_does_not_block_the_key(
+    app_factory: AppFactory, worker_for: Any, redis_server: RedisServer
+) -> None:
+    """The slot woken for a revoked message lapses after its grace; the next waiter runs."""
+    app = app_factory("handoff-revoked")
+    marks = redis_server.client(4)
+    marks.delete("handoff:ran")
+    release = threading.Event()
+
+    @app.task(
+        base=DedupTask,
+        shared=False,
+        concurrency_limit=1,
+        concurrency_key="{user}",
+        concurrency_backoff=1.0,
+    )
+    def step(user: str, n: int) -> int:
+        marks.rpush("handoff:ran", n)
+        if n == 0:
+            release.wait(60)
+        return n
+
+    worker = worker_for(app, concurrency=4)
+    first = step.delay("k", 0)
+    wait_until(lambda: marks.llen("handoff:ran") == 1, timeout=30)
+    revoked, last = step.delay("k", 1), step.delay("k", 2)
+    store = runtime_for(app).store
+    key = concurrency_store_key("celery-dedup", step.name, "k")
+    wait_until(lambda: _waiters(redis_server, key) == 2, timeout=30)
+    revoked.revoke()
+    wait_until(lambda: revoked.id in _revoked_ids(worker), timeout=30)
+    release.set()
+    assert first.get(timeout=30) == 0
+    assert last.get(timeout=60) == 2
+    assert [int(x) for x in marks.lrange("handoff:ran", 0, -1)] == [0, 2]
+    assert isinstance(store, SlotSupport)
+    wait_until(lambda: store.slots_in_use(key) == 0, timeout=30)
+
+
+def _waiters(redis_server: RedisServer, key: str) -> int:
+    """How many messages the key's wait list holds (the store's own record)."""
+    return int(redis_server.client(4).zcard("{" + key + "}:w:"))
+
+
+def _revoked_ids(worker: Any) -> set[str]:
+    from celery.worker import state
+
+    del worker
+    return set(state.revoked)
+
+
+def test_a_pickled_message_is_woken_with_its_arguments(
+    app_factory: AppFactory, worker_for: Any, redis_server: RedisServer
+) -> None:
+    """A task serialized with pickle waits and is woken with arguments JSON cannot carry."""
+    app = app_factory(
+        "handoff-pickle",
+        task_serializer="pickle",
+        result_serializer="pickle",
+        accept_content=["pickle", "json"],
+    )
+    release = threading.Event()
+    seen: list[tuple[Any, Any]] = []
+
+    @app.task(
+        base=DedupTask,
+        shared=False,
+        bind=True,
+        concurrency_limit=1,
+        concurrency_key="{user}",
+        unique_on=("n",),
+    )
+    def step(self: Any, user: str, n: int, value: Any) -> Any:
+        seen.append((value, self.request.eta))
+        if value == 0:
+            release.wait(60)
+        return value
+
+    worker_for(app, concurrency=2)
+    first = step.delay("k", 0, 0)
+    wait_until(lambda: len(seen) == 1, timeout=30)
+    waiting = step.delay("k", 1, {1, 2, b"\x00"})
+    key = concurrency_store_key("celery-dedup", step.name, "k")
+    wait_until(lambda: _waiters(redis_server, key) == 1, timeout=30)
+    release.set()
+    assert first.get(timeout=30) == 0
+    assert waiting.get(timeout=30) == {1, 2, b"\x00"}
+    assert seen == [(0, None), ({1, 2, b"\x00"}, None)]  # run by its woken copy
