@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks.run import ROUND_TRIPS, ROWS, format_table, main
+from benchmarks.run import ROUND_TRIPS, ROWS, format_table, main, previous_path, save
 
 
 def test_benchmark_smoke_run(tmp_path: Path) -> None:
@@ -25,10 +25,19 @@ def test_benchmark_smoke_run(tmp_path: Path) -> None:
     assert trips["duplicate"] == 1
     assert trips["release"] == 1
     assert trips["executed"] <= 2
+    assert trips["acquire_rated"] == 2  # the rate window's count, then the lock
+    assert trips["duplicate_rated"] >= 1
     for name in ("acquire", "duplicate", "release"):
         assert results["round_trips"][name]["commands"]["evalsha"] == 1
     assert len(results["targets"]) == 12
     assert results["rows"]["l_lease_pass_1000"] > 0  # the lease upkeep row ran
+    earlier = json.loads(target.read_text())
+    earlier["meta"]["date"] = "an earlier run"
+    target.write_text(json.dumps(earlier))
+    comparison = save(results, target)  # what the next run does with this one
+    assert comparison is not None and "an earlier run" in comparison
+    assert all(t["target"] in comparison for t in results["targets"])
+    assert json.loads(previous_path(target).read_text())["meta"]["date"] == "an earlier run"
     table = format_table(results)
     assert "store round trips per executed" in table
     assert all(target["target"] in table for target in results["targets"])
