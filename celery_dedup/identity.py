@@ -11,9 +11,10 @@ import hashlib
 import inspect
 import json
 import math
+import operator
 import os
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from datetime import date, datetime, time, timezone
 from decimal import Decimal
 from enum import Enum
@@ -202,6 +203,17 @@ def _plain_scalars(values: Iterable[Any]) -> bool:
     return True
 
 
+def _all_scalars(values: Collection[Any]) -> bool:
+    """``_plain_scalars`` for a long list or a dict's values: the types collected in one pass."""
+    kinds = set(map(type, values))
+    if not kinds <= _SCALARS:
+        return False
+    return float not in kinds or all(math.isfinite(v) for v in values if type(v) is float)
+
+
+_STARTS_WITH_DOLLAR: Final = operator.methodcaller("startswith", "$")
+
+
 _encode_string: Final = json.encoder.encode_basestring  # the encoder's own, as ensure_ascii=False
 
 
@@ -232,11 +244,33 @@ def _json_stable(value: Any, depth: int = 0) -> bool:
     if depth > 32:
         return False
     if kind is list or (kind is tuple and depth == 0):
-        return all(_json_stable(item, depth + 1) for item in value)
+        return _all_scalars(value) or all(_json_stable(item, depth + 1) for item in value)
     if kind is dict:
-        return all(
-            type(key) is str and _json_stable(item, depth + 1) for key, item in value.items()
-        )
+        if set(map(type, value)) - {str}:
+            return False
+        values = value.values()
+        return _all_scalars(values) or all(_json_stable(item, depth + 1) for item in values)
+    return False
+
+
+def _as_is(value: Any, depth: int = 0) -> bool:
+    """Whether ``_canonical(value)`` encodes to the same JSON as ``value`` itself.
+
+    JSON data of exact types (tuples encode as lists), finite floats, no
+    dict key starting with "$" (those are escaped).
+    """
+    kind = type(value)
+    if kind in _SCALARS:
+        return kind is not float or math.isfinite(value)
+    if depth > 32:
+        return False
+    if kind is list or kind is tuple:
+        return _all_scalars(value) or all(_as_is(item, depth + 1) for item in value)
+    if kind is dict:
+        if set(map(type, value)) - {str} or any(map(_STARTS_WITH_DOLLAR, value)):
+            return False
+        values = value.values()
+        return _all_scalars(values) or all(_as_is(item, depth + 1) for item in values)
     return False
 
 
@@ -422,8 +456,11 @@ class ArgumentBinder:
     ) -> str:
         """Canonical JSON of ``(task name, queue, bound arguments)``."""
         arguments = self.bind(args, kwargs)
-        if _plain_scalars(arguments.values()) and not any(n.startswith("$") for n in arguments):
-            # Scalars are their own canonical form: the same JSON, without the walk.
+        if not any(n.startswith("$") for n in arguments) and (
+            _plain_scalars(arguments.values()) or all(map(_as_is, arguments.values()))
+        ):
+            # Their own canonical form (JSON data): the same text, without
+            # building a copy of every list and dict on the way.
             return self._material(queue, arguments)
         try:
             canonical_args = {

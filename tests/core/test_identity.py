@@ -20,7 +20,7 @@ from celery_dedup import (
     dedup_key_for,
     time_bucket,
 )
-from celery_dedup.identity import canonical_json, deterministic_task_id, lock_key
+from celery_dedup.identity import ArgumentBinder, canonical_json, deterministic_task_id, lock_key
 
 
 @pytest.fixture
@@ -299,3 +299,26 @@ def test_cached_key_parts_follow_the_queue_and_the_prefix(app: Celery) -> None:
     assert later == "other:" + first_a.split(":", 1)[1]
     held = cached.apply_async((1,), queue="a")
     assert held.deduplication_key == later
+
+
+_JSON = st.recursive(
+    _SCALARS,
+    lambda inner: st.lists(inner, max_size=4)
+    | st.tuples(inner, inner)
+    | st.dictionaries(st.text(max_size=4) | st.sampled_from(["$k", "$datetime"]), inner,
+                      max_size=4),
+    max_leaves=20,
+)
+
+
+@given(a=_JSON, b=_JSON)
+@settings(max_examples=300, deadline=None)
+def test_json_arguments_key_as_their_canonical_form(a: Any, b: Any) -> None:
+    """JSON data keyed as it is (no canonical copy) gives the canonical form's text exactly."""
+    def task(zed: Any, alpha: Any) -> None:
+        return None
+
+    binder = ArgumentBinder(task, "t.json")
+    expected = canonical_json(["strict", "t.json", "q", {"zed": a, "alpha": b}])
+    assert binder.identity("q", (a, b), None) == expected
+    assert binder.identity("q", (), {"alpha": b, "zed": a}) == expected
