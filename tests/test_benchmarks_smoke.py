@@ -8,6 +8,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
+from benchmarks import profile_calls
 from benchmarks.run import ROUND_TRIPS, ROWS, format_table, main, previous_path, save
 
 
@@ -41,3 +44,15 @@ def test_benchmark_smoke_run(tmp_path: Path) -> None:
     table = format_table(results)
     assert "store round trips per executed" in table
     assert all(target["target"] in table for target in results["targets"])
+
+
+def test_profile_script_runs(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``benchmarks/profile_calls.py`` times and profiles both cases on its stubs (no server)."""
+    for name in ("BENCH_BROKER", "BENCH_STORE", "BENCH_RESULTS"):
+        monkeypatch.setenv(name, "")  # restored afterwards: the script sets its own
+    assert profile_calls.main(["--calls", "50", "--top", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "== first enqueue:" in out and "== duplicate:" in out
+    assert "celery_dedup/task.py" in out and "(apply_async)" in out
