@@ -54,6 +54,13 @@ def dedup(n: int) -> int:
     return n
 
 
+@app.task(name="bench.dedup.rated", base=DedupTask, shared=False, unique_for=LOCK_SECONDS,
+          rate_limit_per_key="1000000/h")
+def rated(n: int) -> int:
+    """The DedupTask with a per-key rate limit that never refuses (its round trips are counted)."""
+    return n
+
+
 def peer_tasks() -> tuple[Any, Any]:
     """The same task on celery-once's ``QueueOnce`` and celery-singleton's ``Singleton``."""
     from celery_once import QueueOnce

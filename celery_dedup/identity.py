@@ -11,8 +11,10 @@ import hashlib
 import inspect
 import json
 import math
+import operator
+import os
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from datetime import date, datetime, time, timezone
 from decimal import Decimal
 from enum import Enum
@@ -201,6 +203,34 @@ def _plain_scalars(values: Iterable[Any]) -> bool:
     return True
 
 
+def _all_scalars(values: Collection[Any]) -> bool:
+    """``_plain_scalars`` for a long list or a dict's values: the types collected in one pass."""
+    kinds = set(map(type, values))
+    if not kinds <= _SCALARS:
+        return False
+    return float not in kinds or all(math.isfinite(v) for v in values if type(v) is float)
+
+
+_STARTS_WITH_DOLLAR: Final = operator.methodcaller("startswith", "$")
+
+
+_encode_string: Final = json.encoder.encode_basestring  # the encoder's own, as ensure_ascii=False
+
+
+def _scalar_json(value: Any) -> str:
+    """A plain scalar (``_plain_scalars``) as ``_CANONICAL_ENCODER`` writes it."""
+    kind = type(value)
+    if kind is str:
+        return _encode_string(value)
+    if kind is int:
+        return int.__repr__(value)
+    if kind is float:
+        return float.__repr__(value)
+    if value is None:
+        return "null"
+    return "true" if value else "false"
+
+
 def _json_stable(value: Any, depth: int = 0) -> bool:
     """Whether a JSON round trip returns ``value`` unchanged (exact types, str keys).
 
@@ -214,11 +244,33 @@ def _json_stable(value: Any, depth: int = 0) -> bool:
     if depth > 32:
         return False
     if kind is list or (kind is tuple and depth == 0):
-        return all(_json_stable(item, depth + 1) for item in value)
+        return _all_scalars(value) or all(_json_stable(item, depth + 1) for item in value)
     if kind is dict:
-        return all(
-            type(key) is str and _json_stable(item, depth + 1) for key, item in value.items()
-        )
+        if set(map(type, value)) - {str}:
+            return False
+        values = value.values()
+        return _all_scalars(values) or all(_json_stable(item, depth + 1) for item in values)
+    return False
+
+
+def _as_is(value: Any, depth: int = 0) -> bool:
+    """Whether ``_canonical(value)`` encodes to the same JSON as ``value`` itself.
+
+    JSON data of exact types (tuples encode as lists), finite floats, no
+    dict key starting with "$" (those are escaped).
+    """
+    kind = type(value)
+    if kind in _SCALARS:
+        return kind is not float or math.isfinite(value)
+    if depth > 32:
+        return False
+    if kind is list or kind is tuple:
+        return _all_scalars(value) or all(_as_is(item, depth + 1) for item in value)
+    if kind is dict:
+        if set(map(type, value)) - {str} or any(map(_STARTS_WITH_DOLLAR, value)):
+            return False
+        values = value.values()
+        return _all_scalars(values) or all(_as_is(item, depth + 1) for item in values)
     return False
 
 
@@ -238,6 +290,22 @@ def bound_queue(queues: Iterable[Any], exchange: str, routing_key: str | None) -
         if queue.routing_key == routing_key and (queue.exchange.name or "") == exchange:
             return str(queue.name)
     return None
+
+
+#: the version (4) and variant (RFC 4122) bits of a random uuid
+_UUID4_CLEAR: Final = ~((0xF000 << 64) | (0xC000 << 48))
+_UUID4_SET: Final = (0x4000 << 64) | (0x8000 << 48)
+
+
+def new_task_id() -> str:
+    """A random task id: a version 4 uuid string, as Celery's ``uuid()`` makes.
+
+    Written from the random bits directly: the ``UUID`` object Celery's
+    builds is only ever turned into this string.
+    """
+    bits = int.from_bytes(os.urandom(16), "big") & _UUID4_CLEAR | _UUID4_SET
+    text = f"{bits:032x}"
+    return f"{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
 
 
 def deterministic_task_id(key: str) -> str:
@@ -291,6 +359,14 @@ class ArgumentBinder:
         #: parameter names and defaults when ``_bind_simple`` applies (no ``*args``…)
         self._names = tuple(p.name for p in parameters) if plain else None
         self._defaults = {p.name: p.default for p in parameters}
+        #: ``positional_identity``: the parameters' positions in sorted-name order,
+        #: each with its JSON-encoded name (``"name":``), and the head per queue
+        self._sorted_fields = tuple(
+            (_encode_string(name) + ":", i) for name, i in sorted(
+                (name, i) for i, name in enumerate(self._names or ())
+            )
+        )  # fmt: skip
+        self._heads: dict[str | None, str] = {}
 
     def bind(self, args: Iterable[Any] | None, kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
         """The arguments of a call as ``{parameter: value}`` with defaults applied."""
@@ -359,7 +435,15 @@ class ArgumentBinder:
             return None
         if not _plain_scalars(args):
             return None
-        return self._material(queue, dict(zip(names, args, strict=True)))
+        # The exact text ``_material`` encodes, written field by field: the
+        # encoder would be set up again on every call for the same few scalars.
+        head = self._heads.get(queue)
+        if head is None:
+            head = self._heads[queue] = _CANONICAL_ENCODER.encode(
+                ["strict", self.task_name, queue]
+            )[:-1] + ","
+        fields = ",".join([name + _scalar_json(args[i]) for name, i in self._sorted_fields])
+        return f"{head}{{{fields}}}]"
 
     def _material(self, queue: str | None, canonical_args: Mapping[str, Any]) -> str:
         return _CANONICAL_ENCODER.encode(["strict", self.task_name, queue, canonical_args])
@@ -372,8 +456,11 @@ class ArgumentBinder:
     ) -> str:
         """Canonical JSON of ``(task name, queue, bound arguments)``."""
         arguments = self.bind(args, kwargs)
-        if _plain_scalars(arguments.values()) and not any(n.startswith("$") for n in arguments):
-            # Scalars are their own canonical form: the same JSON, without the walk.
+        if not any(n.startswith("$") for n in arguments) and (
+            _plain_scalars(arguments.values()) or all(map(_as_is, arguments.values()))
+        ):
+            # Their own canonical form (JSON data): the same text, without
+            # building a copy of every list and dict on the way.
             return self._material(queue, arguments)
         try:
             canonical_args = {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from celery.app import app_or_default
 from celery.result import AsyncResult
 
 from .stores.base import Lock
@@ -34,13 +35,21 @@ class DeduplicatedResult(_AsyncResult):
         deduplication_key: str,
         lock: Lock | None = None,
         duplicate_id: str | None = None,
-        **kwargs: Any,
+        backend: Any = None,
+        app: Any = None,
+        parent: Any = None,
+        task_name: str | None = None,  # deprecated in AsyncResult, ignored
     ) -> None:
-        # AsyncResult.__init__ builds its ``on_ready`` promise up front; most
+        # AsyncResult.__init__, but for its ``on_ready`` promise: most
         # duplicate handles are never waited on, so it is built on first use.
-        kwargs.pop("task_name", None)  # deprecated in AsyncResult, ignored
-        self._lazy_on_ready = True
-        super().__init__(id, **kwargs)
+        if id is None:
+            raise ValueError(f"AsyncResult requires valid id, not {type(id)}")
+        self.app = app_or_default(app or self.app)
+        self.id = id
+        self.backend = backend or self.app.backend
+        self.parent = parent
+        self._cache = None
+        self._ignored = False
         #: the hashed store key the call maps to
         self.deduplication_key = deduplication_key
         #: the holder's lock as the store reported it (owner, expiry, policy)
@@ -61,8 +70,6 @@ class DeduplicatedResult(_AsyncResult):
 
     @on_ready.setter
     def on_ready(self, value: Any) -> None:
-        if self.__dict__.pop("_lazy_on_ready", False):
-            return  # AsyncResult.__init__'s eager promise: built lazily instead
         self.__dict__["_on_ready_promise"] = value
 
     def __copy__(self) -> DeduplicatedResult:

@@ -31,6 +31,7 @@ from .identity import (
     caller_key_material,
     deterministic_task_id,
     lock_key,
+    new_task_id,
 )
 from .lifecycle import Held, Outcome
 from .lint_calls import lint_first_call
@@ -517,7 +518,7 @@ class DedupTask(_Task):
             rates.refuse_native(self)  # the broker deduplicates: no store counts the rate
             return self._publish_native(call, key, queue_name, task_id, options, publish)
         if task_id is None:
-            task_id = deterministic_task_id(key) if call.deterministic_id else uuid()
+            task_id = deterministic_task_id(key) if call.deterministic_id else new_task_id()
         return admission.admit(
             Admission(self, config, call, key, task_id, sent_args, sent_kwargs, options, publish,
                       store=config.runtime.store)

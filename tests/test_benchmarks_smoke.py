@@ -8,7 +8,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks.run import ROUND_TRIPS, ROWS, format_table, main
+import pytest
+
+from benchmarks import profile_calls
+from benchmarks.run import ROUND_TRIPS, ROWS, format_table, main, previous_path, save
 
 
 def test_benchmark_smoke_run(tmp_path: Path) -> None:
@@ -25,10 +28,31 @@ def test_benchmark_smoke_run(tmp_path: Path) -> None:
     assert trips["duplicate"] == 1
     assert trips["release"] == 1
     assert trips["executed"] <= 2
+    assert trips["acquire_rated"] == 2  # the rate window's count, then the lock
+    assert trips["duplicate_rated"] >= 1
     for name in ("acquire", "duplicate", "release"):
         assert results["round_trips"][name]["commands"]["evalsha"] == 1
     assert len(results["targets"]) == 12
     assert results["rows"]["l_lease_pass_1000"] > 0  # the lease upkeep row ran
+    earlier = json.loads(target.read_text())
+    earlier["meta"]["date"] = "an earlier run"
+    target.write_text(json.dumps(earlier))
+    comparison = save(results, target)  # what the next run does with this one
+    assert comparison is not None and "an earlier run" in comparison
+    assert all(t["target"] in comparison for t in results["targets"])
+    assert json.loads(previous_path(target).read_text())["meta"]["date"] == "an earlier run"
     table = format_table(results)
     assert "store round trips per executed" in table
     assert all(target["target"] in table for target in results["targets"])
+
+
+def test_profile_script_runs(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``benchmarks/profile_calls.py`` times and profiles both cases on its stubs (no server)."""
+    for name in ("BENCH_BROKER", "BENCH_STORE", "BENCH_RESULTS"):
+        monkeypatch.setenv(name, "")  # restored afterwards: the script sets its own
+    assert profile_calls.main(["--calls", "50", "--top", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "== first enqueue:" in out and "== duplicate:" in out
+    assert "celery_dedup/task.py" in out and "(apply_async)" in out

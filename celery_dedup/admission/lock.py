@@ -12,7 +12,7 @@ from typing import Any
 
 from .. import cancel, debounce, key_reuse, worker
 from ..exceptions import StoreContention, StoreError
-from ..header import LockHeader, new_token
+from ..header import NO_LOCK, LockHeader, new_token
 from ..lifecycle import meta_for
 from ..options import OnDuplicate, OnKeyReuse
 from ..policy import KEEPS_ON_FAILURE, UniqueUntil, lock_ttl
@@ -100,17 +100,17 @@ class LockStep:
             adm.notes["orphan"] = runtime.add_orphan(key, owner, ttl)
             fall_back(adm, exc)  # (closed: the orphan's sweeper releases a late write)
             adm.header = LockHeader(
-            key, until, call.unique_for, takes_over, owner, keep_last, retry_window=window
-        )
+                key, until, call.unique_for, takes_over, owner, keep_last, retry_window=window
+            )
             return None
-        adm.header = LockHeader(
-            key, until, call.unique_for, takes_over, owner, keep_last, retry_window=window
-        )
         if holder is not None and holder.owner != owner:
             # (A holder with this call's own token is this call's write, seen
             # again by a client that re-sent the command after losing its reply.)
-            adm.header = LockHeader()
+            adm.header = NO_LOCK
             return _held(adm, holder, owner)
+        adm.header = LockHeader(
+            key, until, call.unique_for, takes_over, owner, keep_last, retry_window=window
+        )
         adm.locked = True
         capped_policy = max_wait is not None and capped
         adm.policy = "replace+max_wait" if capped_policy else call.on_duplicate.value
@@ -152,7 +152,7 @@ def _held(adm: Admission, holder: Lock, owner: str) -> Refusal:
 
     def let_in() -> None:
         # Published without a lock: a canvas counts on it (``canvas.keeps_duplicate``).
-        adm.header = LockHeader()
+        adm.header = NO_LOCK
 
     return Refusal(
         "duplicate",

@@ -34,8 +34,11 @@ class PublishStep:
         owner = adm.header.owner(adm.task_id)
         follows = adm.previous if adm.header.last and adm.locked else None
         try:
-            with coalesce.linked(task.backend, follows, adm.task_id):
+            if follows is None:  # (the common case: no context to enter)
                 adm.result = adm.publish(adm.task_id, adm.header)
+            else:
+                with coalesce.linked(task.backend, follows, adm.task_id):
+                    adm.result = adm.publish(adm.task_id, adm.header)
         except BaseException:
             adm.body_started = worker.eager_body_started(owner)
             raise

@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 from celery import Celery
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from celery_dedup import (
     DedupKeyError,
@@ -18,7 +20,7 @@ from celery_dedup import (
     dedup_key_for,
     time_bucket,
 )
-from celery_dedup.identity import canonical_json, deterministic_task_id
+from celery_dedup.identity import ArgumentBinder, canonical_json, deterministic_task_id, lock_key
 
 
 @pytest.fixture
@@ -242,3 +244,81 @@ def test_deterministic_id_is_uuid5_of_the_key() -> None:
     assert first == deterministic_task_id("celery-dedup:t:abc")
     assert uuid.UUID(first).version == 5
     assert first != deterministic_task_id("celery-dedup:t:abd")
+
+
+_SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(10**30), max_value=10**30)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=12)
+    | st.sampled_from(["\ud800", "é\"\\\n\x00", "\u2028"])  # a lone surrogate, escapes
+)
+
+
+@given(a=_SCALARS, b=_SCALARS, queue=st.sampled_from(["celery", "q-é", 'q"x']))
+@settings(max_examples=300, deadline=None)
+def test_positional_scalar_keys_are_the_canonical_json_keys(a: Any, b: Any, queue: str) -> None:
+    """The one-step key of positional scalars is the key of the canonical JSON identity.
+
+    Written out by hand, the text must match ``canonical_json`` byte for
+    byte: producers of other versions compute the same keys the general way.
+    """
+    app = Celery("identity-scalars", set_as_current=False)
+    app.conf.update(dedup_store="memory://identity-scalars")
+
+    @app.task(base=DedupTask, shared=False, name="t.scalars")
+    def scalars(zed: Any, alpha: Any) -> None:
+        return None
+
+    expected = lock_key(
+        "celery-dedup",
+        "t.scalars",
+        canonical_json(["strict", "t.scalars", queue, {"zed": a, "alpha": b}]),
+    )
+    assert dedup_key_for(scalars, (a, b), queue=queue) == expected
+    # the general path (keyword arguments), which the one-step key must never differ from
+    assert dedup_key_for(scalars, (), {"zed": a, "alpha": b}, queue=queue) == expected
+
+
+def test_cached_key_parts_follow_the_queue_and_the_prefix(app: Celery) -> None:
+    """What is kept per task for the key is kept per queue; a prefix changed later applies."""
+    @app.task(base=DedupTask, shared=False, name="t.cached")
+    def cached(x: int) -> None:
+        return None
+
+    first_a = dedup_key_for(cached, (1,), queue="a")
+    first_b = dedup_key_for(cached, (1,), queue="b")
+    assert first_a != first_b
+    assert first_a == lock_key(
+        "celery-dedup", "t.cached", canonical_json(["strict", "t.cached", "a", {"x": 1}])
+    )
+    assert dedup_key_for(cached, (1,), queue="a") == first_a
+    app.conf.dedup_key_prefix = "other"
+    later = dedup_key_for(cached, (1,), queue="a")
+    assert later == "other:" + first_a.split(":", 1)[1]
+    held = cached.apply_async((1,), queue="a")
+    assert held.deduplication_key == later
+
+
+_JSON = st.recursive(
+    _SCALARS,
+    lambda inner: st.lists(inner, max_size=4)
+    | st.tuples(inner, inner)
+    | st.dictionaries(st.text(max_size=4) | st.sampled_from(["$k", "$datetime"]), inner,
+                      max_size=4),
+    max_leaves=20,
+)
+
+
+@given(a=_JSON, b=_JSON)
+@settings(max_examples=300, deadline=None)
+def test_json_arguments_key_as_their_canonical_form(a: Any, b: Any) -> None:
+    """JSON data keyed as it is (no canonical copy) gives the canonical form's text exactly."""
+    def task(zed: Any, alpha: Any) -> None:
+        return None
+
+    binder = ArgumentBinder(task, "t.json")
+    expected = canonical_json(["strict", "t.json", "q", {"zed": a, "alpha": b}])
+    assert binder.identity("q", (a, b), None) == expected
+    assert binder.identity("q", (), {"alpha": b, "zed": a}) == expected
