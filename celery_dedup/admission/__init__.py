@@ -12,7 +12,9 @@ A call is admitted in one fixed order (DESIGN "Admission"):
 Each of 2-4 is a ``Step``: ``enter`` either passes (having done its part,
 whose undo it keeps) or answers a ``Refusal``. ``runner.admit`` runs them;
 a refusal or an error runs the undos of the steps before it in reverse,
-so a refused or failed call leaves the store as it found it. The canvas
+so a refused or failed call leaves the store as it found it. Where the
+store offers it, 2 and 3 of a plain acquire are one round trip
+(``rated``: the key looked at first, then the window, then both written). The canvas
 rules (``canvas``) are applied once, by the runner, to every refusal.
 """
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from .. import cancel, debounce, key_reuse, worker
@@ -16,25 +17,51 @@ from ..header import NO_LOCK, LockHeader, new_token
 from ..lifecycle import meta_for
 from ..options import OnDuplicate, OnKeyReuse
 from ..policy import KEEPS_ON_FAILURE, UniqueUntil, lock_ttl
-from ..stores.base import Lock, LockStore, replace_holder
+from ..stores.base import Lock, LockMeta, LockStore, replace_holder
 from . import duplicate
 from .canvas import in_canvas, is_canvas, is_member
 from .fallback import fall_back
 from .state import Admission, Refusal
 
-__all__ = ["LockStep", "owner_token", "restore"]
+__all__ = ["LockPlan", "LockStep", "failed", "held", "owner_token", "restore", "taken"]
 
 logger = logging.getLogger("celery_dedup")
+
+
+@dataclass(frozen=True)
+class LockPlan:
+    """What the lock step writes for a call: decided before any round trip."""
+
+    ttl: float
+    until: UniqueUntil
+    keep_last: bool
+    replaces: bool
+    cancels: bool
+    max_wait: float | None
+    window: float | None
+    now: float
+    owner: str
+    meta: LockMeta
+
+    @property
+    def takes_over(self) -> bool:
+        """A message a newer call may take the key from (it waits for that call's publish
+        when it finds its lock gone: it may be given back)."""
+        return self.replaces or self.cancels
+
+    @property
+    def acquires(self) -> bool:
+        """The call only acquires (no take-over, no cancel): what ``RatedAcquire`` does."""
+        return not self.takes_over
 
 
 class LockStep:
     """Make the call's owner token the holder of its key, or refuse it as a duplicate."""
 
-    def enter(self, adm: Admission) -> Refusal | None:
-        """Take the key (or go on unlocked per ``dedup_fallback``), or refuse: a holder."""
+    def plan(self, adm: Admission) -> LockPlan:
+        """The key's owner, TTL and record for this call (pure but for the clock)."""
         task, call, options, key = adm.task, adm.call, adm.options, adm.key
         assert call.unique_for is not None and key is not None
-        runtime = adm.config.runtime
         # After the checks: a rate delay is part of the TTL.
         ttl = lock_ttl(call.unique_for, countdown=options.get("countdown"), eta=options.get("eta"))
         canvas_key = call.deduplication_key is not None and is_canvas(options)
@@ -47,9 +74,6 @@ class LockStep:
             call.on_duplicate is OnDuplicate.REPLACE and not is_member(options)
         )
         cancels = call.on_duplicate is OnDuplicate.CANCEL_RUNNING and not in_canvas(options)
-        # A message a newer call may take the key from waits for that call's
-        # publish when it finds its lock gone (it may be given back).
-        takes_over = replaces or cancels
         max_wait = call.debounce_max_wait if replaces and not keep_last else None
         # Only a lock a failure keeps has a cooldown to shorten it to.
         window = call.retry_window if until in KEEPS_ON_FAILURE and not canvas_key else None
@@ -62,6 +86,17 @@ class LockStep:
         )
         holder_id = str(options.get("group_id") or adm.task_id) if canvas_key else adm.task_id
         meta = meta_for(task, holder_id, until)
+        return LockPlan(
+            ttl, until, keep_last, replaces, cancels, max_wait, window, now, owner, meta
+        )
+
+    def enter(self, adm: Admission) -> Refusal | None:
+        """Take the key (or go on unlocked per ``dedup_fallback``), or refuse: a holder."""
+        task, call, options, key = adm.task, adm.call, adm.options, adm.key
+        assert call.unique_for is not None and key is not None
+        runtime = adm.config.runtime
+        plan = self.plan(adm)
+        owner, ttl, meta, max_wait = plan.owner, plan.ttl, plan.meta, plan.max_wait
         adm.notes["ttl"] = ttl
         capped = False
         holder: Lock | None = None
@@ -70,18 +105,18 @@ class LockStep:
             if store is None:
                 fall_back(adm, None)
                 return None
-            if replaces:
+            if plan.replaces:
                 revoked_ttl = runtime.settings.revoked_ttl
                 adm.previous = replace_holder(store, key, owner, ttl, meta, revoked_ttl)
                 adm.locked = True
                 if max_wait is not None:
                     owner, start = debounce.settle_owner(
-                        store, key, owner, adm.previous, ttl, meta, now, revoked_ttl
+                        store, key, owner, adm.previous, ttl, meta, plan.now, revoked_ttl
                     )
                     capped = debounce.cap_eta(
                         options, start, max_wait, floor=adm.notes.get("rate_place")
                     )
-            elif cancels:
+            elif plan.cancels:
                 adm.cancelled = cancel.cancel_and_acquire(
                     task, store, key, owner, ttl, meta,
                     task_id=adm.task_id, wait=call.cancel_wait, signal=call.cancel_signal,
@@ -92,28 +127,14 @@ class LockStep:
         except StoreContention:
             raise  # the store answers: contention is never an outage
         except StoreError as exc:
-            # The write may still land when the store answers again (a paused
-            # or slow server): the published message carries the owner token,
-            # so it owns and releases such a lock; if nothing is published,
-            # the lock is released as soon as the store answers.
-            adm.locked = False
-            adm.notes["orphan"] = runtime.add_orphan(key, owner, ttl)
-            fall_back(adm, exc)  # (closed: the orphan's sweeper releases a late write)
-            adm.header = LockHeader(
-                key, until, call.unique_for, takes_over, owner, keep_last, retry_window=window
-            )
+            failed(adm, plan, owner, exc)
             return None
         if holder is not None and holder.owner != owner:
             # (A holder with this call's own token is this call's write, seen
             # again by a client that re-sent the command after losing its reply.)
             adm.header = NO_LOCK
             return _held(adm, holder, owner)
-        adm.header = LockHeader(
-            key, until, call.unique_for, takes_over, owner, keep_last, retry_window=window
-        )
-        adm.locked = True
-        capped_policy = max_wait is not None and capped
-        adm.policy = "replace+max_wait" if capped_policy else call.on_duplicate.value
+        taken(adm, plan, owner, capped)
         return None
 
     def undo(self, adm: Admission) -> None:
@@ -134,6 +155,42 @@ class LockStep:
             release()
         else:
             restore(adm.task, store, key, previous, release)
+
+
+def failed(adm: Admission, plan: LockPlan, owner: str, exc: StoreError) -> None:
+    """The store did not answer the lock's write: go on per ``dedup_fallback``.
+
+    The write may still land when the store answers again (a paused or
+    slow server): the published message carries the owner token, so it
+    owns and releases such a lock; if nothing is published, the lock is
+    released as soon as the store answers.
+    """
+    assert adm.key is not None and adm.call.unique_for is not None
+    adm.locked = False
+    adm.notes["orphan"] = adm.config.runtime.add_orphan(adm.key, owner, plan.ttl)
+    fall_back(adm, exc)  # (closed: the orphan's sweeper releases a late write)
+    adm.header = LockHeader(
+        adm.key, plan.until, adm.call.unique_for, plan.takes_over, owner, plan.keep_last,
+        retry_window=plan.window,
+    )  # fmt: skip
+
+
+def taken(adm: Admission, plan: LockPlan, owner: str, capped: bool = False) -> None:
+    """The call's owner holds the key: the header its message carries."""
+    assert adm.key is not None and adm.call.unique_for is not None
+    adm.header = LockHeader(
+        adm.key, plan.until, adm.call.unique_for, plan.takes_over, owner, plan.keep_last,
+        retry_window=plan.window,
+    )  # fmt: skip
+    adm.locked = True
+    capped_policy = plan.max_wait is not None and capped
+    adm.policy = "replace+max_wait" if capped_policy else adm.call.on_duplicate.value
+
+
+def held(adm: Admission, holder: Lock, owner: str) -> Refusal:
+    """The key is held by another publish: a duplicate refusal (no lock in the header)."""
+    adm.header = NO_LOCK
+    return _held(adm, holder, owner)
 
 
 def owner_token(adm: Admission) -> str:

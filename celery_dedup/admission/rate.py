@@ -15,7 +15,7 @@ from .fallback import fall_back
 from .lock import owner_token
 from .state import Admission, Refusal
 
-__all__ = ["RateStep"]
+__all__ = ["RateStep", "counted", "refused"]
 
 
 @dataclass(frozen=True)
@@ -50,12 +50,7 @@ class RateStep:
             held = _duplicate_of(adm)
             if held is not None:
                 return held
-            otel.decided(adm, "refused", retry_after=round(answer.wait, 3))
-            # A chain's first step has no handle that could stand in for its chain.
-            return rates.refused(
-                adm.task, rate_key, answer, adm.task_id, adm.args, adm.kwargs,
-                may_return=not is_canvas(adm.options),
-            )  # fmt: skip
+            return refused(adm, rate_key, answer)
 
         def let_in() -> None:
             # Never dropped, never raising: the call waits for its place instead.
@@ -81,11 +76,26 @@ class RateStep:
             fall_back(adm, exc)
             return None
         if answer.admitted:
-            adm.notes["rate"] = _Counted(counter, rate_key, answer.entry or adm.task_id)
-            rates.delayed(adm.task, adm.options, answer.wait)
-            if answer.wait > 0:
-                adm.notes["rate_place"] = time.time() + answer.wait
+            counted(adm, counter, rate_key, answer)
         return answer
+
+
+def counted(adm: Admission, counter: RateSupport, rate_key: str, answer: RateAnswer) -> None:
+    """The call was counted in its window: its undo, and its delay to a reserved place."""
+    adm.notes["rate"] = _Counted(counter, rate_key, answer.entry or adm.task_id)
+    rates.delayed(adm.task, adm.options, answer.wait)
+    if answer.wait > 0:
+        adm.notes["rate_place"] = time.time() + answer.wait
+
+
+def refused(adm: Admission, rate_key: str, answer: RateAnswer) -> object:
+    """What a call over the limit answers (``RateLimited``, or the last publish's handle)."""
+    otel.decided(adm, "refused", retry_after=round(answer.wait, 3))
+    # A chain's first step has no handle that could stand in for its chain.
+    return rates.refused(
+        adm.task, rate_key, answer, adm.task_id, adm.args, adm.kwargs,
+        may_return=not is_canvas(adm.options),
+    )  # fmt: skip
 
 
 def _duplicate_of(adm: Admission) -> object | None:

@@ -9,9 +9,10 @@ from . import canvas, effects
 from .lock import LockStep
 from .publish import PublishStep
 from .rate import RateStep
+from .rated import RatedLockStep, offered
 from .state import Admission, Step
 
-__all__ = ["LOCKED", "UNLOCKED", "admit", "admit_unlocked", "run"]
+__all__ = ["LOCKED", "RATED", "UNLOCKED", "admit", "admit_unlocked", "run"]
 
 logger = logging.getLogger("celery_dedup")
 
@@ -54,9 +55,16 @@ def _undo(adm: Admission, entered: list[Step]) -> None:
             logger.warning("celery-dedup: could not undo %s", type(step).__name__, exc_info=True)
 
 
+#: a call with a key and a rate limit, on a store that counts and locks at once
+RATED: Sequence[Step] = (
+    RatedLockStep(lambda adm: run(adm, (RateStep(), LockStep()))),
+    PublishStep(),
+)
+
+
 def admit(adm: Admission) -> object:
     """Admit a call that has a key; after its publish, the effects nothing can undo."""
-    admitted, answer = run(adm, LOCKED)
+    admitted, answer = run(adm, RATED if offered(adm) else LOCKED)
     return effects.apply(adm) if admitted else answer
 
 

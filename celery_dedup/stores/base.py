@@ -53,6 +53,8 @@ __all__ = [
     "RateRelease",
     "RateSupport",
     "RateWindow",
+    "RatedAcquire",
+    "RatedLock",
     "RevokeOutcome",
     "RevokingTakeOver",
     "RunOutcome",
@@ -65,6 +67,7 @@ __all__ = [
     "SlotWaiter",
     "gate_record_key",
     "os_error_kind",
+    "rated_acquire",
     "refused_unless_passed",
     "replace_holder",
     "revoked_marker_key",
@@ -683,6 +686,78 @@ class RateRelease(Protocol):
 
         One round trip, atomic; idempotent.
         """
+
+
+@dataclass(frozen=True)
+class RatedLock:
+    """The answer of ``RatedAcquire.acquire_rated``: exactly one of three outcomes.
+
+    * acquired: ``rate`` admitted (its ``entry`` counted) and the lock taken;
+    * held: ``holder`` holds the key, nothing counted, nothing written;
+    * refused: ``rate`` not admitted (the window is full), the key free and
+      nothing written.
+    """
+
+    #: the publish's place in the window (``None`` when the key is held)
+    rate: RateAnswer | None
+    #: the live holder of the key (another owner), when held
+    holder: Lock | None = None
+
+    @property
+    def acquired(self) -> bool:
+        """The call was counted and holds the key."""
+        return self.holder is None and self.rate is not None and self.rate.admitted
+
+
+@runtime_checkable
+class RatedAcquire(Protocol):
+    """**Protocol:** a store that counts a publish and takes its lock in one operation.
+
+    What ``RateSupport.hit_rate`` followed by ``LockStore.acquire`` do,
+    checks before effects, atomically in one round trip: a held key answers
+    the holder without counting the call; a free key counts the call in
+    its window and takes the lock only when the window has room (or, with
+    ``delay``, at its reserved place, the lock then living ``unique_for``
+    past that place). A store without it costs the two round trips (and a
+    third, the entry's undo, for a duplicate).
+    """
+
+    def acquire_rated(
+        self,
+        key: str,
+        owner: str,
+        ttl: float,
+        meta: LockMeta,
+        rate_key: str,
+        member: str,
+        limit: int,
+        period: float,
+        *,
+        delay: bool,
+        unique_for: float,
+    ) -> RatedLock | None:
+        """Count ``member`` (a task id, as ``hit_rate``) and lock in one round trip.
+
+        ``None`` (nothing sent) when this store cannot for these keys (a
+        cluster whose two keys are in different hash slots): the caller then
+        takes the two steps.
+
+        The lock lives ``max(ttl, unique_for + wait)`` where ``wait`` is the
+        reserved place's delay. A command re-sent after a lost reply (the key
+        held by ``owner``) answers acquired without counting again.
+        """
+
+
+#: Whether a store class has ``RatedAcquire``, decided once per class.
+_RATED: dict[type, bool] = {}
+
+
+def rated_acquire(store: object) -> RatedAcquire | None:
+    """``store`` when it counts and locks in one operation (``RatedAcquire``)."""
+    rated = _RATED.get(type(store))
+    if rated is None:
+        rated = _RATED[type(store)] = isinstance(store, RatedAcquire)
+    return cast(RatedAcquire, store) if rated else None
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import secrets
 import time
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -48,6 +49,7 @@ from .base import (
     Durability,
     Lock,
     LockMeta,
+    RatedLock,
     RevokeOutcome,
     RunOutcome,
     RunRef,
@@ -55,7 +57,8 @@ from .base import (
     store_errors,
     translate,
 )
-from .redis_limits import RedisLimits
+from .rate_entries import new_entry
+from .redis_limits import RedisLimits, rate_answer
 from .redis_wire import ScriptWire
 
 if TYPE_CHECKING:
@@ -137,6 +140,57 @@ if v then
 end
 write(KEYS[1], ARGV[1], ARGV[2], 3)
 return false
+"""
+
+# ACQUIRE behind HIT_RATE's window (``redis_limits``), checks before effects:
+# a held key answers its holder and counts nothing; a full window (not
+# delayed) answers the refusal and writes nothing; else the publish is
+# counted and the lock taken. Both keys in one script: one hash slot.
+# KEYS[1] - lock key
+# KEYS[2] - rate key
+# ARGV[1] - the record
+# ARGV[2] - ttl in milliseconds (the lock lives max(ttl, unique_for + wait))
+# ARGV[3] - the window entry
+# ARGV[4] - the limit
+# ARGV[5] - the period in milliseconds
+# ARGV[6] - "1": admit at the earliest free place; "0": refuse a full window
+# ARGV[7] - unique_for in milliseconds
+# ARGV[8] - owner token (encoded)
+# ARGV[9..] - the hash fields to write instead, on a key of an earlier version
+# return {2, holder} when held; else {admitted 1/0, wait ms, count, last member or ""}
+ACQUIRE_RATED = _PRELUDE + """
+local v, h = read(KEYS[1])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if v and owns(v, ARGV[8]) then
+    -- a command re-sent after its reply was lost: answer what the first run did
+    local placed = redis.call('zscore', KEYS[2], ARGV[3])
+    local wait = placed and math.max(0, tonumber(placed) - now) or 0
+    return {1, wait, redis.call('zcard', KEYS[2]), ARGV[3]}
+end
+if v then
+    return {2, holder(KEYS[1], v, h)}
+end
+local limit = tonumber(ARGV[4])
+local period = tonumber(ARGV[5])
+redis.call('zremrangebyscore', KEYS[2], '-inf', now - period)
+local n = redis.call('zcard', KEYS[2])
+local newest = redis.call('zrange', KEYS[2], -1, -1)
+local last = newest[1] or ''
+local at = now
+if n >= limit then
+    local blocker = redis.call('zrange', KEYS[2], n - limit, n - limit, 'WITHSCORES')
+    at = math.max(now, tonumber(blocker[2]) + period)
+end
+if at > now and ARGV[6] ~= '1' then
+    return {0, at - now, n, last}
+end
+redis.call('zadd', KEYS[2], at, ARGV[3])
+if redis.call('pttl', KEYS[2]) < at - now + period then
+    redis.call('pexpire', KEYS[2], at - now + period)
+end
+write(KEYS[1], ARGV[1], math.max(tonumber(ARGV[2]), tonumber(ARGV[7]) + at - now), 9)
+return {1, at - now, n + 1, ARGV[3]}
 """
 
 # KEYS[1] - lock key
@@ -653,6 +707,7 @@ class RedisStore(RedisLimits):
         self._lease: Script = client.register_script(LEASE)
         self._keep: Script = client.register_script(KEEP)
         self._peek: Script = client.register_script(PEEK)
+        self._acquire_rated: Script = client.register_script(ACQUIRE_RATED)
         #: per-thread connections the scripts run on (None: through the
         #: client's own command path, e.g. a cluster client routing by slot), with
         #: the store's connect and operation timeouts (``DEFAULT_TIMEOUTS``)
@@ -770,6 +825,41 @@ class RedisStore(RedisLimits):
         args = [record, _ms(ttl), *_legacy_fields(key, owner, meta)]
         raw = self._run(self._acquire, [self._k(key)], args)
         return self._lock(key, raw)
+
+    def acquire_rated(
+        self,
+        key: str,
+        owner: str,
+        ttl: float,
+        meta: LockMeta,
+        rate_key: str,
+        member: str,
+        limit: int,
+        period: float,
+        *,
+        delay: bool,
+        unique_for: float,
+    ) -> RatedLock | None:
+        """Count the publish and take the lock, or answer the holder or the full
+        window (``RatedAcquire``; one EVALSHA)."""
+        if not self._same_slot(key, rate_key):
+            return None
+        mine = _enc(owner)
+        record = _pack(key, mine, meta, meta.get("started") == "1")
+        entry = new_entry(member)
+        args = [
+            record, _ms(ttl), entry, limit, _ms(period), "1" if delay else "0",
+            _ms(unique_for), mine, *_legacy_fields(key, owner, meta),
+        ]  # fmt: skip
+        raw = self._run(self._acquire_rated, [self._k(key), self._k(rate_key)], args)
+        if int(raw[0]) == 2:
+            return RatedLock(None, self._lock(key, raw[1]))
+        answer = rate_answer(raw)
+        return RatedLock(replace(answer, entry=entry) if answer.admitted else answer)
+
+    def _same_slot(self, key: str, rate_key: str) -> bool:
+        """Whether one script may touch both keys (always, on one server)."""
+        return True
 
     def release(self, key: str, owner: str) -> bool:
         """Compare-and-delete on the owner (one EVALSHA)."""

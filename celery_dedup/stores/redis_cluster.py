@@ -22,6 +22,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from redis.commands.core import Script
+from redis.crc import key_slot
 from redis.exceptions import (
     ClusterDownError,
     ClusterError,
@@ -132,6 +133,11 @@ class RedisClusterStore(RedisStore):
             keyprefix=keyprefix,
             label=f"redis-cluster ({maybe_sanitize_url(url)})",
         )
+
+    def _same_slot(self, key: str, rate_key: str) -> bool:
+        """A rate key and a lock key share a hash slot only when both carry one hash
+        tag: otherwise ``acquire_rated`` answers ``None`` and the two steps run."""
+        return key_slot(self._k(key).encode()) == key_slot(self._k(rate_key).encode())
 
     def scan(self, prefix: str) -> Iterator[Lock]:
         """Every live lock under ``prefix``: SCAN each primary, read its keys in one pipeline.

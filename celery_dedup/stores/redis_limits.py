@@ -22,7 +22,7 @@ from redis.commands.core import Script
 from .base import RateAnswer, RateWindow, SlotTurn, SlotUsage, SlotWaiter
 from .rate_entries import new_entry, task_id_of
 
-__all__ = ["RedisLimits"]
+__all__ = ["RedisLimits", "rate_answer"]
 
 # KEYS[1] - the slot key (sorted set holder -> lease expiry in ms)
 # ARGV[1] - the holder
@@ -338,13 +338,13 @@ class RedisLimits:
         """Count the publish in the sliding window, or refuse it (one EVALSHA)."""
         entry = new_entry(member)
         args = [entry, limit, _ms(period), "1" if delay else "0"]
-        answer = _answer(self._run(self._limit_scripts["rate"], [self._k(key)], args))
+        answer = rate_answer(self._run(self._limit_scripts["rate"], [self._k(key)], args))
         return replace(answer, entry=entry) if answer.admitted else answer
 
     def rate_window(self, key: str, limit: int, period: float) -> RateAnswer:
         """The window as it is (one EVALSHA that counts nothing)."""
         args = ["", limit, _ms(period), ""]
-        return _answer(self._run(self._limit_scripts["rate"], [self._k(key)], args))
+        return rate_answer(self._run(self._limit_scripts["rate"], [self._k(key)], args))
 
     # -- LimitListing ------------------------------------------------------
 
@@ -406,7 +406,8 @@ def _glob_escape(text: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
 
-def _answer(raw: Sequence[Any]) -> RateAnswer:
+def rate_answer(raw: Sequence[Any]) -> RateAnswer:
+    """A window script's ``{admitted, wait ms, count, last member}`` as a ``RateAnswer``."""
     return RateAnswer(
         admitted=bool(int(raw[0])),
         wait=int(raw[1]) / 1000.0,
