@@ -185,3 +185,19 @@ def test_cluster_url_mapping() -> None:
     """redis+cluster and rediss+cluster URLs map to redis-py's redis and rediss URLs."""
     assert cluster_url("redis+cluster://h:7000/0") == "redis://h:7000/0"
     assert cluster_url("rediss+cluster://:pw@h:7000") == "rediss://:pw@h:7000"
+
+
+def test_rate_and_lock_in_one_script_only_within_one_hash_slot(store: RedisClusterStore) -> None:
+    """``acquire_rated`` sends nothing for keys in two slots (the two steps run instead) and,
+    for hash-tagged keys in one slot, counts and locks on that slot's primary."""
+    meta = {"task_name": "t", "policy": "success", "task_id": "id-1"}
+    assert store.acquire_rated("lock:a", "o", 5, meta, "rate:a", "id-1", 1, 60,
+                               delay=False, unique_for=5) is None  # fmt: skip
+    assert store.get("lock:a") is None
+    first = store.acquire_rated("{u}:lock", "o", 5, meta, "{u}:rate", "id-1", 1, 60,
+                                delay=False, unique_for=5)  # fmt: skip
+    assert first is not None and first.acquired
+    held = store.acquire_rated("{u}:lock", "p", 5, meta, "{u}:rate", "id-2", 1, 60,
+                               delay=False, unique_for=5)  # fmt: skip
+    assert held is not None and held.holder is not None and held.holder.owner == "o"
+    assert store.rate_window("{u}:rate", 1, 60).count == 1
