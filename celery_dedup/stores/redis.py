@@ -160,16 +160,16 @@ return false
 # return {2, holder} when held; else {admitted 1/0, wait ms, count, last member or ""}
 ACQUIRE_RATED = _PRELUDE + """
 local v, h = read(KEYS[1])
+if v and not owns(v, ARGV[8]) then
+    return {2, holder(KEYS[1], v, h)}
+end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-if v and owns(v, ARGV[8]) then
+if v then
     -- a command re-sent after its reply was lost: answer what the first run did
     local placed = redis.call('zscore', KEYS[2], ARGV[3])
     local wait = placed and math.max(0, tonumber(placed) - now) or 0
     return {1, wait, redis.call('zcard', KEYS[2]), ARGV[3]}
-end
-if v then
-    return {2, holder(KEYS[1], v, h)}
 end
 local limit = tonumber(ARGV[4])
 local period = tonumber(ARGV[5])
