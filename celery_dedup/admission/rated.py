@@ -10,8 +10,11 @@ Whatever needs the two steps' order takes them (``fallback``): a store
 without the operation or keys it cannot join (a cluster's two hash slots),
 a take-over or a cancel (``replace``, ``keep_last``, ``cancel_running``,
 the debounce cap that reads the rate's reserved place), a count kept in
-another store, and a refusal the canvas rules let in (the call is then
-published after all and must be counted).
+another store, and a duplicate the canvas rules let in (the call is then
+published after all and must be counted). A full window a protected call
+may not be refused by (a group or chord member, a worker-side publish) is
+asked again with ``delay``: its place reserved and its key taken in one
+more round trip, as the two steps do it.
 """
 
 from __future__ import annotations
@@ -70,6 +73,17 @@ class RatedLockStep:
                 key, plan.owner, plan.ttl, plan.meta, rate_key, adm.task_id,
                 limit.limit, limit.period, delay=delay, unique_for=unique_for,
             )  # fmt: skip
+            if (
+                answer is not None
+                and answer.holder is None
+                and not answer.acquired
+                and protected(adm.task, adm.options)
+            ):
+                # A protected call is never refused: it waits for its place instead.
+                answer = combined.acquire_rated(
+                    key, plan.owner, plan.ttl, plan.meta, rate_key, adm.task_id,
+                    limit.limit, limit.period, delay=True, unique_for=unique_for,
+                )  # fmt: skip
         except StoreContention:
             raise  # the store answers: contention is never an outage
         except StoreError as exc:
@@ -92,8 +106,6 @@ class RatedLockStep:
                 )
             lock.taken(adm, plan, plan.owner)
             return None
-        if protected(adm.task, adm.options):
-            return self._steps(adm)  # a protected call waits for its place instead
         refused = answer.rate
         # The key was free when the window refused: no holder to answer instead.
         return Refusal("rate", lambda: rate.refused(adm, rate_key, refused))

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import redis
-from celery import Celery
+from celery import Celery, group
 
 from celery_dedup import DedupTask, RateLimited, release
 from celery_dedup.runtime import runtime_for
@@ -27,7 +27,8 @@ def entries(client: redis.Redis) -> int:
 
 def test_rate_limited_calls_cost_one_round_trip(redis_server: RedisServer) -> None:
     """First call and duplicate: 1 round trip each with a rate limit (raise or delay) or a
-    concurrency limit, as without; a refused call 1, and it leaves nothing behind."""
+    concurrency limit, as without; a refused call 1, and it leaves nothing behind; a group
+    member over the rate 2 (refused, then its place reserved)."""
     client = counting_client(redis_server, 8)
     client.flushdb()
     app = Celery("rt-rate", broker="memory://", backend="cache+memory://", set_as_current=False)
@@ -72,6 +73,12 @@ def test_rate_limited_calls_cost_one_round_trip(redis_server: RedisServer) -> No
     assert measure(client, refused) == 1
     assert measure(client, refused) == 1  # the refusal locked nothing
     assert entries(client) == 3  # and counted nothing
+
+    # A group member is never refused: a full window is asked again, to reserve its place
+    # (both members are over the rate: 2 round trips each).
+    before = entries(client)
+    assert measure(client, lambda: group(rated.s(4), rated.s(5)).apply_async()) == 2 * 2
+    assert entries(client) == before + 2
 
     assert measure(client, lambda: delayed.delay(1)) == 1
     assert measure(client, lambda: delayed.delay(1)) == 1
