@@ -67,6 +67,11 @@ def store_lost_result(
             "celery-dedup: could not read the done marker of %s[%s]: %s", task.name, task_id, exc
         )
         return False
+    except Exception:  # an unreadable answer: never the copy's fate (it must not run)
+        logger.exception(
+            "celery-dedup: could not read the done marker of %s[%s]", task.name, task_id
+        )
+        return False
     if done is None:
         return False
     token, outcome = done

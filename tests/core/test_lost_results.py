@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,11 +25,15 @@ from typing import Any
 import pytest
 from celery.signals import task_postrun
 
-from celery_dedup import DedupTask, ResultLost, inspect_lock
+from celery_dedup import DedupTask, ResultLost, incarnation, inspect_lock
+from celery_dedup.lost_results import store_lost_result
+from celery_dedup.runs import records_of
+from celery_dedup.runtime import runtime_for
 from celery_dedup.signals import lock_released
+from celery_dedup.stores.base import RunRef
 from tests.fixtures.redis import RedisServer
 
-from .conftest import wait_until
+from .conftest import AppFactory, wait_until
 from .subprocess_workers import RunsLog, env_app, subprocess_worker
 from .test_ownership import texts
 from .test_ownership_prefork import Worker
@@ -141,7 +147,7 @@ def test_a_result_lost_with_its_worker_is_stored_as_result_lost_not_run_again(
     assert runs(redis_server) == ["pay:1"]
     # The policy held: released at the run's end ("success"); a new call runs.
     assert inspect_lock(result.deduplication_key, app=app) is None
-    assert "ResultLost" in worker.text()
+    wait_until(lambda: "ResultLost" in worker.text(), timeout=30)
 
 
 def test_a_copy_that_expired_stores_the_lost_result_too(
@@ -161,7 +167,7 @@ def test_a_copy_that_expired_stores_the_lost_result_too(
     with pytest.raises(ResultLost):
         result.get(timeout=90)
     assert result.state == "FAILURE"
-    assert "dropped a copy" in worker.text()
+    wait_until(lambda: "dropped a copy" in worker.text(), timeout=30)  # (logged after)
     assert runs(redis_server) == ["pay:2"]
 
 
@@ -181,3 +187,58 @@ def test_a_result_stored_before_the_kill_is_returned_and_never_overwritten(
     assert result.state == "SUCCESS"
     assert runs(redis_server) == ["pay:3"]
     assert "ResultLost" not in worker.text()
+
+
+# -- the guards, on the real Redis store and result backend (no worker) -----
+
+
+def _dead_token() -> str:
+    """A delivery token of a process that has exited (on this machine)."""
+    made = subprocess.run(
+        [sys.executable, "-c",
+         "from celery_dedup.incarnation import new_delivery_token; print(new_delivery_token())"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return made.stdout.strip()
+
+
+def test_only_a_final_run_of_a_dead_worker_without_a_result_gets_result_lost(
+    app_factory: AppFactory,
+) -> None:
+    """A live ender, another machine's, a retried or unrecorded outcome, a stored result:
+    nothing is written. A final run of a dead process with no result: ResultLost."""
+    guards = app_factory("lost_guards")
+
+    @guards.task(base=DedupTask, name="lost.guarded", unique_for=60)
+    def guarded() -> None:
+        """Never run here."""
+
+    store = runtime_for(guards).store
+    assert store is not None
+    records = records_of(store)
+    meta = {"task_name": guarded.name, "policy": "success", "task_id": ""}
+    dead = _dead_token()
+    elsewhere = "0123456789." + dead.split(".", 1)[1]
+    cases = {
+        "live": (incarnation.new_delivery_token(), "success", False),
+        "elsewhere": (elsewhere, "success", False),
+        "retried": (dead, "retried", False),
+        "unrecorded": (dead, "", False),
+        "stored": (dead, "success", False),
+        "lost": (dead, "failure", True),
+    }
+    for name, (token, outcome, stores) in cases.items():
+        task_id = f"id-{name}"
+        run = RunRef(f"key-{name}", f"owner-{name}", "0.0", token)
+        records.claim_run(run, 30, meta, release=False, ttl=60)
+        records.end_run(run, 60, {**meta, "outcome": outcome}, release=True)
+        if name == "stored":
+            guarded.backend.mark_as_done(task_id, 42)
+        copy = RunRef(run.key, run.owner, "0.0", "a-copy")
+        assert store_lost_result(guarded, task_id, records, copy, None) is stores, name
+        state = guarded.AsyncResult(task_id).state
+        assert state == {"stored": "SUCCESS", "lost": "FAILURE"}.get(name, "PENDING"), name
+    with pytest.raises(ResultLost) as raised:
+        guarded.AsyncResult("id-lost").get(timeout=10)
+    assert raised.value.outcome == "failure"
+    assert guarded.AsyncResult("id-stored").get(timeout=10) == 42
