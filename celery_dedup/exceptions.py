@@ -14,6 +14,8 @@ The hierarchy::
     ├── RateLimited                            rate_limit_per_key is reached (``retry_after``)
     ├── DeduplicationUnavailable (RuntimeError) no usable store and dedup_fallback="closed"
     ├── MalformedHeader (ValueError)           a message's celery_dedup header cannot be decoded
+    ├── ResultLost (RuntimeError)              the body ran to its end, its worker died before
+    │                                          Celery stored the result (stored as FAILURE)
     ├── StoreError                             a store operation failed (never a driver's exception)
     │   ├── StoreUnavailable (ConnectionError) the lock store cannot be reached
     │   ├── StoreContention                    the store stayed contended after bounded retries
@@ -58,6 +60,7 @@ __all__ = [
     "MalformedHeader",
     "MissingDeduplicationKey",
     "RateLimited",
+    "ResultLost",
     "ScanNotSupported",
     "StoreContention",
     "StoreError",
@@ -301,6 +304,31 @@ class DeduplicationUnavailable(DedupError, RuntimeError):
         self._keep(message, message, task_name, reason)
         self.task_name = task_name
         self.reason = reason
+
+
+E_RESULT_LOST = (
+    "{task_name}[{task_id}]: the body ran to its end{outcome}, but its worker died before "
+    "Celery stored the result; the body is not run again (one publish, one run)"
+)
+
+
+class ResultLost(DedupError, RuntimeError):
+    """A run's body ended, then its whole worker died before Celery stored the result.
+
+    Stored as the task's ``FAILURE`` by the copy the broker redelivers (it
+    finds the run done and does not run it again), so the caller's
+    ``get()`` raises this instead of waiting for ever. ``outcome`` is how
+    the body ended (``"success"``, ``"failure"``) when the store recorded
+    it with the run's done marker, else ``""``.
+    """
+
+    def __init__(self, task_name: str, task_id: str, outcome: str = "") -> None:
+        ended = f" ({outcome})" if outcome else ""
+        message = E_RESULT_LOST.format(task_name=task_name, task_id=task_id, outcome=ended)
+        self._keep(message, task_name, task_id, outcome)
+        self.task_name = task_name
+        self.task_id = task_id
+        self.outcome = outcome
 
 
 E_MALFORMED_HEADER = "malformed celery_dedup header: {field} is {value}; expected {expected}"

@@ -38,6 +38,7 @@ from typing import Any, cast
 
 from .stores.base import (
     DONE_POLICY,
+    OUTCOME_FIELD,
     RUNNING_POLICY,
     Claim,
     LockMeta,
@@ -50,6 +51,7 @@ from .stores.base import (
 __all__ = [
     "DELIVERY_FIELD",
     "INHERITED_FIELD",
+    "OUTCOME_FIELD",
     "GatedRuns",
     "StoreRuns",
     "attempt_of",
@@ -146,13 +148,15 @@ class StoreRuns:
     ) -> bool:
         """Write the done marker (one round trip), then release or settle (another).
 
-        The marker is owned by ``token + DONE_SUFFIX``, not by the token: a
+        The marker is owned by ``token + DONE_SUFFIX`` (and the body's
+        outcome, ``done_by``), not by the token: a
         renewal or a give-up of the lease that lands after the end (the
         worker's main process races the pool child) can neither shorten nor
         delete it.
         """
         done_meta = _record_meta(meta, DONE_POLICY)
-        self.store.take_over(run.record, run.token + DONE_SUFFIX, done_ttl, done_meta)
+        done_owner = run.token + DONE_SUFFIX + meta.get(OUTCOME_FIELD, "")
+        self.store.take_over(run.record, done_owner, done_ttl, done_meta)
         if release is None:
             return False
         if release:
@@ -189,6 +193,14 @@ class StoreRuns:
         """One ``get`` of the run record: its owner, unless it is a done marker."""
         holder = self.store.get(run.record)
         return None if holder is None or holder.policy == DONE_POLICY else holder.owner
+
+    def done_by(self, run: RunRef) -> tuple[str, str] | None:
+        """One ``get`` of the run record: its done marker's token and outcome."""
+        holder = self.store.get(run.record)
+        if holder is None or holder.policy != DONE_POLICY:
+            return None
+        token, _, outcome = holder.owner.partition(DONE_SUFFIX)
+        return token, outcome
 
 
 class GatedRuns:
@@ -269,6 +281,10 @@ class GatedRuns:
     def lease_token(self, run: RunRef) -> str | None:
         """The run record's answer."""
         return self.records.lease_token(run)
+
+    def done_by(self, run: RunRef) -> tuple[str, str] | None:
+        """The run record's answer."""
+        return self.records.done_by(run)
 
 
 def keep_record(store: LockStore, record: str, token: str, lease: float, retake: bool) -> bool:

@@ -29,7 +29,7 @@ from celery.worker.control import control_command
 from celery.worker.request import Request
 from kombu.serialization import registry  # type: ignore[attr-defined]
 
-from . import backoff, coalesce, handoff, incarnation, leases, requeue, runs
+from . import backoff, coalesce, handoff, incarnation, leases, lost_results, requeue, runs
 from .exceptions import MalformedHeader, StoreContention, StoreError, StoreUnavailable
 from .header import HEADER, MAX_TOKEN, LockHeader, new_token, read_header
 from .identity import bound_queue, deterministic_task_id
@@ -37,7 +37,15 @@ from .lifecycle import DedupTaskLike, Held, Outcome, meta_for
 from .options import Fallback
 from .policy import KEEPS_ON_FAILURE, UniqueUntil, lock_ttl
 from .signals import lock_acquired, lock_released, task_skipped
-from .stores.base import Claim, ClaimOutcome, Lock, LockStore, RunOutcome, RunRef
+from .stores.base import (
+    OUTCOME_FIELD,
+    Claim,
+    ClaimOutcome,
+    Lock,
+    LockStore,
+    RunOutcome,
+    RunRef,
+)
 
 __all__ = [
     "GUARD_PREFIX",
@@ -411,6 +419,8 @@ def _claim_run(
             )
     if outcome is RunOutcome.DONE:
         # The same publish ran to its end already: a copy the broker redelivered.
+        # (Its result may have died with its worker: stored as ResultLost then.)
+        lost_results.store_lost_result(task, str(request.id), records, run, request)
         _skip(task, request.id, run.key, request.id, "already ran")
     if outcome is RunOutcome.RUNNING:
         # A live lease is renewed every third of it: looking sooner is pointless.
@@ -624,7 +634,12 @@ def _done_ttl(task: DedupTaskLike, held: Held) -> float:
 
 
 def _end_quietly(
-    task: DedupTaskLike, held: Held, release: bool | None, *, persist: bool = False
+    task: DedupTaskLike,
+    held: Held,
+    release: bool | None,
+    *,
+    persist: bool = False,
+    outcome: Outcome | None = None,
 ) -> bool:
     """End this attempt's run (done marker) and release or settle its lock in one step.
 
@@ -635,16 +650,18 @@ def _end_quietly(
     answers, so copies keep waiting and a done marker is never lost to a
     store that did not answer, while the body's result is stored at once.
     Otherwise a release that did not land is retried as soon as the store
-    answers.
+    answers. ``outcome`` (how the body ended) is kept with the done marker
+    where the store can (``lost_results``).
     """
     run = held.run
     assert run is not None
     done_ttl = _done_ttl(task, held)
+    meta = meta_for(task, held.task_id, held.header.until)
+    if outcome is not None:
+        meta[OUTCOME_FIELD] = outcome.value
 
     def end() -> bool:
-        return runs.records_of(held.store).end_run(
-            run, done_ttl, meta_for(task, held.task_id, held.header.until), release=release
-        )
+        return runs.records_of(held.store).end_run(run, done_ttl, meta, release=release)
 
     try:
         return end()
@@ -833,9 +850,9 @@ def finish(task: DedupTaskLike, held: Held, outcome: Outcome) -> None:
         if window is not None:
             # The done marker first (copies must not run), then the kept lock
             # shortened to the cooldown: a new call is accepted once it passed.
-            _end_quietly(task, held, None, persist=True)
+            _end_quietly(task, held, None, persist=True, outcome=outcome)
             _settle(task, held.store, held.key, held.owner, held.task_id, window)
-        elif _end_quietly(task, held, action, persist=True) and action:
+        elif _end_quietly(task, held, action, persist=True, outcome=outcome) and action:
             _count_release(task, held.key, held.task_id, outcome.value)
         return
     if held.run is not None:
@@ -1442,6 +1459,10 @@ def copy_of_a_run(
         # The run died with its worker (a lease nobody renews): this copy is
         # the message's last, and ends as Celery ends a dropped message.
         return False
+    if outcome is RunOutcome.DONE:
+        # Dropped quietly: a result that died with the run's worker is stored now.
+        context = getattr(request, "_context", None) or request
+        lost_results.store_lost_result(task, task_id, records, run, context)
     return outcome in (RunOutcome.RUNNING, RunOutcome.DONE)
 
 

@@ -33,6 +33,7 @@ from ..exceptions import (
 
 __all__ = [
     "DONE_POLICY",
+    "OUTCOME_FIELD",
     "PASS_THROUGH",
     "RECORD_POLICIES",
     "REVOKED_POLICY",
@@ -96,6 +97,10 @@ RUNNING_POLICY = "run-live"
 
 #: The ``policy`` of a run record whose run completed (the done marker).
 DONE_POLICY = "run-done"
+
+#: The ``LockMeta`` field ``RunRecords.end_run`` is given the body's outcome in
+#: (``"success"``, ``"failure"``...), kept with the done marker (``done_by``).
+OUTCOME_FIELD = "outcome"
 
 #: Records that share a store with locks but are not locks: listings,
 #: reapers of locks and the admin leave them out.
@@ -356,7 +361,9 @@ class RunRecords(Protocol):
     ) -> bool:
         """Replace the lease by the done marker, then release the lock (``True``),
         settle it (``False``) or leave it (``None``). Returns whether the owner
-        held the lock it released or settled.
+        held the lock it released or settled. ``meta["outcome"]`` (how the body
+        ended, if given) is kept with the marker where the store can
+        (``done_by``).
         """
 
     def abandon_run(self, run: RunRef) -> bool:
@@ -385,6 +392,12 @@ class RunRecords(Protocol):
     def lease_token(self, run: RunRef) -> str | None:
         """The delivery token holding the attempt's lease, read only (``None``: no
         live lease: none, or a done marker). One round trip."""
+
+    def done_by(self, run: RunRef) -> tuple[str, str] | None:
+        """The attempt's done marker, read only: the delivery token of the copy that
+        ended the run and how its body ended (``LockMeta["outcome"]`` given to
+        ``end_run``, ``""`` when not recorded), or ``None`` (no done marker).
+        One round trip."""
 
 
 @runtime_checkable

@@ -44,6 +44,7 @@ from ..exceptions import (
 from ..policy import UniqueUntil
 from . import is_result_backend
 from .base import (
+    OUTCOME_FIELD,
     Claim,
     ClaimOutcome,
     Durability,
@@ -367,7 +368,8 @@ return false
 
 # Run records (``RunRecords``): one string per attempt of a publish, in the
 # lock's hash slot: "L<delivery token>" while a copy runs (the lease), then
-# "D<delivery token>" once the attempt ended (the done marker).
+# "D<delivery token>" once the attempt ended (the done marker; followed by a
+# space and how the body ended, when the worker said: ``done_by``).
 
 # A gated run (``keep_last``) also holds its key's run gate, "L<delivery
 # token>" like a lease, from its start to its end.
@@ -410,9 +412,14 @@ local A = {unpack(ARGV, 4)}
 # ARGV[2] - this copy's delivery token
 # ARGV[3] - done marker ttl in milliseconds
 # ARGV[4] - "release", "settle" or "" (leave the lock)
+# ARGV[5] - how the body ended ("success", "failure"...), or "" (kept after a space)
 # return 1 if the owner held the lock it released or settled, else 0
 END_RUN = _PRELUDE + """
-redis.call('set', KEYS[2], 'D' .. ARGV[2], 'PX', ARGV[3])
+local done = 'D' .. ARGV[2]
+if ARGV[5] and ARGV[5] ~= '' then
+    done = done .. ' ' .. ARGV[5]
+end
+redis.call('set', KEYS[2], done, 'PX', ARGV[3])
 if KEYS[3] and redis.call('get', KEYS[3]) == 'L' .. ARGV[2] then
     redis.call('del', KEYS[3])
 end
@@ -983,7 +990,7 @@ class RedisStore(RedisLimits):
         """The done marker, then release or settle (one EVALSHA)."""
         action = "" if release is None else ("release" if release else "settle")
         keys = [self._k(run.key), *self._run_keys(run)]
-        args = [_enc(run.owner), run.token, _ms(done_ttl), action]
+        args = [_enc(run.owner), run.token, _ms(done_ttl), action, meta.get(OUTCOME_FIELD, "")]
         return bool(self._run(self._end_run, keys, args))
 
     def abandon_run(self, run: RunRef) -> bool:
@@ -1034,6 +1041,14 @@ class RedisStore(RedisLimits):
         """The token of the attempt's live lease (the same read as ``peek_run``)."""
         value = self._run_record_value(run)
         return None if value is None or value.startswith("D") else value[1:]
+
+    def done_by(self, run: RunRef) -> tuple[str, str] | None:
+        """The attempt's done marker: its token and outcome (the same read as ``peek_run``)."""
+        value = self._run_record_value(run)
+        if value is None or not value.startswith("D"):
+            return None
+        token, _, outcome = value[1:].partition(" ")
+        return token, outcome
 
     def revoke(self, key: str, owner: str, ttl: float) -> RevokeOutcome:
         """Mark ``owner`` revoked; release its lock unless started (one EVALSHA)."""

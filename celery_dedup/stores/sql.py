@@ -66,6 +66,7 @@ from ..exceptions import (
 )
 from .base import (
     DONE_POLICY,
+    OUTCOME_FIELD,
     RUNNING_POLICY,
     Claim,
     Lock,
@@ -605,6 +606,7 @@ class SQLStore(SQLLimits):
         return {
             "b_record": run.record,
             "b_run": run.token,
+            "b_run_owner": run.token,
             "b_run_policy": policy,
             "b_run_token": secrets.token_hex(16),
             "b_lease": float(ttl),
@@ -653,6 +655,8 @@ class SQLStore(SQLLimits):
         """
         params = self._params(run.key, run.owner, done_ttl, meta)
         params.update(self._run_params(run, done_ttl, DONE_POLICY))
+        if outcome := meta.get(OUTCOME_FIELD, ""):
+            params["b_run_owner"] = f"{run.token} {outcome}"[:255]  # (done_by)
         params["b_release"] = release is True
         params["b_settle"] = release is False
         params["b_ttl"] = None  # a settle keeps the lock's expiry
@@ -730,6 +734,14 @@ class SQLStore(SQLLimits):
         """The token of the attempt's live lease (one SELECT)."""
         row = self.get(run.record)
         return None if row is None or row.policy == DONE_POLICY else str(row.owner)
+
+    def done_by(self, run: RunRef) -> tuple[str, str] | None:
+        """The attempt's done marker: its token and outcome (one SELECT)."""
+        row = self.get(run.record)
+        if row is None or row.policy != DONE_POLICY:
+            return None
+        token, _, outcome = str(row.owner).partition(" ")
+        return token, outcome
 
     # -- CounterSupport ----------------------------------------------------
 

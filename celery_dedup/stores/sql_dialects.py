@@ -428,14 +428,15 @@ class _Dialect:
         }
 
     def run_values(self) -> dict[str, Any]:
-        """The VALUES of a run record: ``b_record`` owned by the delivery token ``b_run``.
+        """The VALUES of a run record: ``b_record`` owned by ``b_run_owner`` (the
+        delivery token ``b_run``; a done marker's adds how the body ended).
 
         Its policy is ``b_run_policy`` (lease or done marker), it lives
         ``b_lease`` seconds and is never started.
         """
         return {
             "key": bindparam("b_record", type_=String()),
-            "owner": bindparam("b_run", type_=String()),
+            "owner": bindparam("b_run_owner", type_=String()),
             "task_id": bindparam("b_task_id", type_=String()),
             "task_name": bindparam("b_task_name", type_=String()),
             "policy": bindparam("b_run_policy", type_=String()),

@@ -778,6 +778,27 @@ class StoreContract:
         assert runs.end_run(heir, 30, META, release=True) is True
         assert runs.lease_token(first) is None
 
+    def test_done_by_names_the_copy_that_ended_the_run_and_how(
+        self, store_case: StoreCase
+    ) -> None:
+        """The done marker's delivery token and the body's outcome (``meta["outcome"]``),
+        for any copy of the attempt; none while the run is live; ``""`` when not given.
+        A copy with the ender's own token is still refused (never runs the attempt again)."""
+        runs = records_of(store_case.store)
+        first = RunRef("done:a", "owner-a", "0.0", "scope.123.ender")
+        assert runs.done_by(first) is None
+        assert runs.claim_run(first, 30, META, release=False, ttl=30)[0] is RunOutcome.BEGUN
+        assert runs.done_by(first) is None  # a lease, not a done marker
+        assert runs.end_run(first, 30, {**META, "outcome": "success"}, release=True) is True
+        copy = RunRef("done:a", "owner-a", "0.0", "copy-2")
+        assert runs.done_by(copy) == ("scope.123.ender", "success")
+        assert runs.claim_run(copy, 30, META, release=False, ttl=30) == (RunOutcome.DONE, None)
+        assert runs.claim_run(first, 30, META, release=False, ttl=30) == (RunOutcome.DONE, None)
+        plain = RunRef("done:b", "owner-b", "0.0", "ender-b")
+        assert runs.claim_run(plain, 30, META, release=False, ttl=30)[0] is RunOutcome.BEGUN
+        runs.end_run(plain, 30, META, release=None)
+        assert runs.done_by(plain) == ("ender-b", "")
+
     def test_run_revoked_owner_begins_but_is_refused(self, store_case: StoreCase) -> None:
         """The revoked marker is still consulted: the claim inside claim_run answers REVOKED."""
         store = store_case.store
