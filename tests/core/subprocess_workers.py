@@ -114,3 +114,41 @@ def subprocess_worker(
     finally:
         proc.stop()
         runtime_for(app).metrics.flush()
+
+
+def worker_fixture(
+    app: Celery,
+    runs_log: RunsLog,
+    *,
+    module: str,
+    queue: str,
+    dbs: tuple[int, int, int],
+    doc: str,
+    stores: tuple[str, ...] = ("redis", "postgres"),
+    started: bool = False,
+    concurrency: int = 2,
+    pool: str = "prefork",
+) -> Any:
+    """A test module's ``worker`` fixture: a ``subprocess_worker`` of its ``app`` per store
+    in ``stores`` (``redis``: the result backend's Redis; ``postgres``), ``started`` or
+    started by the test. Assign it to a module-level ``worker``."""
+
+    @pytest.fixture(params=list(stores))
+    def worker(
+        request: pytest.FixtureRequest,
+        redis_server: RedisServer,
+        tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> Iterator[Worker]:
+        runs_log.forget()
+        with subprocess_worker(
+            app, module=module, prefix=runs_log.prefix, queue=queue, dbs=dbs,
+            request=request, redis_server=redis_server, tmp_path=tmp_path,
+            monkeypatch=monkeypatch, concurrency=concurrency, pool=pool,
+        ) as proc:
+            if started:
+                proc.start()
+            yield proc
+
+    worker.__doc__ = doc
+    return worker

@@ -11,8 +11,6 @@ in PostgreSQL (``dedup_store``).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,7 +26,7 @@ from celery_dedup.signals import holder_cancelled
 from tests.fixtures.redis import RedisServer
 
 from .conftest import AppFactory, wait_until
-from .subprocess_workers import RunsLog, env_app, subprocess_worker
+from .subprocess_workers import RunsLog, env_app, worker_fixture
 from .test_ownership import FailingProducer, state_of, texts
 from .test_ownership_prefork import Worker
 
@@ -91,21 +89,13 @@ def _ended(sender: Any = None, args: Any = None, **_: Any) -> None:
         record(f"postrun:{args[1]}")
 
 
-@pytest.fixture(params=["redis", "postgres"])
-def worker(
-    request: pytest.FixtureRequest,
-    redis_server: RedisServer,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-) -> Iterator[Worker]:
-    """A two-slot prefork worker (started by the test); locks in Redis or PostgreSQL."""
-    runs_log.forget()
-    with subprocess_worker(
-        app, module=__name__, prefix="CANCEL", queue=QUEUE,
-        dbs=(BROKER_DB, BACKEND_DB, RUNS_DB), request=request, redis_server=redis_server,
-        tmp_path=tmp_path, monkeypatch=monkeypatch,
-    ) as proc:
-        yield proc
+worker = worker_fixture(
+    app, runs_log,
+    module=__name__,
+    queue=QUEUE,
+    dbs=(BROKER_DB, BACKEND_DB, RUNS_DB),
+    doc="A two-slot prefork worker (started by the test); locks in Redis or PostgreSQL.",
+)
 
 
 def runs(redis_server: RedisServer) -> list[str]:

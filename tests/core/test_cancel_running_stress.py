@@ -29,8 +29,6 @@ import random
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -40,7 +38,7 @@ from celery_dedup import CancelTimeout, DedupTask, inspect_lock
 from tests.fixtures.redis import RedisServer
 
 from .conftest import wait_until
-from .subprocess_workers import RunsLog, env_app, subprocess_worker
+from .subprocess_workers import RunsLog, env_app, worker_fixture
 from .test_ownership import state_of, texts
 from .test_ownership_prefork import Worker
 
@@ -97,22 +95,16 @@ debouncing = app.task(
 )(_work)
 
 
-@pytest.fixture(params=["redis", "postgres"])
-def worker(
-    request: pytest.FixtureRequest,
-    redis_server: RedisServer,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-) -> Iterator[Worker]:
-    """A two-slot prefork worker; locks in Redis (take-over of a queued holder in one
-    step) or PostgreSQL (revoke, then acquire)."""
-    runs_log.forget()
-    with subprocess_worker(
-        app, module=__name__, prefix="STRESS", queue=QUEUE,
-        dbs=(BROKER_DB, BACKEND_DB, RUNS_DB), request=request, redis_server=redis_server,
-        tmp_path=tmp_path, monkeypatch=monkeypatch,
-    ) as proc:
-        yield proc
+worker = worker_fixture(
+    app, runs_log,
+    module=__name__,
+    queue=QUEUE,
+    dbs=(BROKER_DB, BACKEND_DB, RUNS_DB),
+    doc=(
+        "A two-slot prefork worker; locks in Redis (take-over of a queued holder in one "
+        "step) or PostgreSQL (revoke, then acquire)."
+    ),
+)
 
 
 def call(doc: int, seq: str, sleep: float) -> Any:

@@ -12,8 +12,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import redis
@@ -24,7 +22,7 @@ from celery_dedup import DedupTask, inspect_lock
 from tests.fixtures.redis import RedisServer
 
 from .conftest import wait_until
-from .subprocess_workers import RunsLog, env_app, subprocess_worker
+from .subprocess_workers import RunsLog, env_app, worker_fixture
 from .test_ownership import texts
 from .test_ownership_prefork import Worker
 
@@ -107,21 +105,13 @@ def linger_after_a_deferral(state: str = "", args: object = (), **_: object) -> 
         time.sleep(3)
 
 
-@pytest.fixture(params=["redis", "postgres"])
-def worker(
-    request: pytest.FixtureRequest,
-    redis_server: RedisServer,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-) -> Iterator[Worker]:
-    """A two-slot prefork worker (started by the test); its store is Redis or PostgreSQL."""
-    runs_log.forget()
-    with subprocess_worker(
-        app, module=__name__, prefix="LAST", queue=QUEUE,
-        dbs=(BROKER_DB, BACKEND_DB, RUNS_DB), request=request, redis_server=redis_server,
-        tmp_path=tmp_path, monkeypatch=monkeypatch,
-    ) as proc:
-        yield proc
+worker = worker_fixture(
+    app, runs_log,
+    module=__name__,
+    queue=QUEUE,
+    dbs=(BROKER_DB, BACKEND_DB, RUNS_DB),
+    doc="A two-slot prefork worker (started by the test); its store is Redis or PostgreSQL.",
+)
 
 
 def logged(redis_server: RedisServer) -> list[str]:

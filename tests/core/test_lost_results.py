@@ -18,8 +18,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,7 +32,7 @@ from celery_dedup.stores.base import RunRef
 from tests.fixtures.redis import RedisServer
 
 from .conftest import AppFactory, wait_until
-from .subprocess_workers import RunsLog, env_app, subprocess_worker
+from .subprocess_workers import RunsLog, env_app, worker_fixture
 from .test_ownership import texts
 from .test_ownership_prefork import Worker
 
@@ -89,21 +87,13 @@ def _after_store(sender: Any = None, **_: Any) -> None:
         _kill_worker_if(KILL_AFTER_STORE)
 
 
-@pytest.fixture(params=["redis", "postgres"])
-def worker(
-    request: pytest.FixtureRequest,
-    redis_server: RedisServer,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-) -> Iterator[Worker]:
-    """A two-slot prefork worker (started by the test); run records in Redis or PostgreSQL."""
-    runs_log.forget()
-    with subprocess_worker(
-        app, module=__name__, prefix="LOST", queue=QUEUE,
-        dbs=(BROKER_DB, BACKEND_DB, RUNS_DB), request=request, redis_server=redis_server,
-        tmp_path=tmp_path, monkeypatch=monkeypatch,
-    ) as proc:
-        yield proc
+worker = worker_fixture(
+    app, runs_log,
+    module=__name__,
+    queue=QUEUE,
+    dbs=(BROKER_DB, BACKEND_DB, RUNS_DB),
+    doc="A two-slot prefork worker (started by the test); run records in Redis or PostgreSQL.",
+)
 
 
 def runs(redis_server: RedisServer) -> list[str]:

@@ -16,8 +16,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -25,10 +24,9 @@ from celery import Task, states
 from celery.exceptions import Reject
 
 from celery_dedup import DedupTask, inspect_lock
-from tests.fixtures.redis import RedisServer
 
 from .conftest import wait_until
-from .subprocess_workers import RunsLog, env_app, subprocess_worker
+from .subprocess_workers import RunsLog, env_app, worker_fixture
 from .test_ownership import texts
 from .test_ownership_prefork import Worker
 
@@ -132,22 +130,15 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 }
 
 
-@pytest.fixture(params=["redis"])
-def worker(
-    request: pytest.FixtureRequest,
-    redis_server: RedisServer,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-) -> Iterator[Worker]:
-    """A two-slot prefork worker on the test Redis broker, started."""
-    runs_log.forget()
-    with subprocess_worker(
-        app, module=__name__, prefix="REQUEUE", queue=QUEUE,
-        dbs=(BROKER_DB, BACKEND_DB, RUNS_DB), request=request, redis_server=redis_server,
-        tmp_path=tmp_path, monkeypatch=monkeypatch,
-    ) as proc:
-        proc.start()
-        yield proc
+worker = worker_fixture(
+    app, runs_log,
+    module=__name__,
+    queue=QUEUE,
+    dbs=(BROKER_DB, BACKEND_DB, RUNS_DB),
+    stores=('redis',),
+    started=True,
+    doc="A two-slot prefork worker on the test Redis broker, started.",
+)
 
 
 def runs_of(label: str) -> int:

@@ -13,8 +13,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,7 +22,7 @@ from celery_dedup.runs import DELIVERY_FIELD
 from tests.fixtures.redis import RedisServer
 
 from .conftest import wait_until
-from .subprocess_workers import RunsLog, env_app, subprocess_worker
+from .subprocess_workers import RunsLog, env_app, worker_fixture
 from .test_ownership import texts
 from .test_ownership_prefork import Worker
 
@@ -114,25 +112,17 @@ def coalesced(x: int) -> int:
     return x
 
 
-@pytest.fixture(params=["redis", "postgres"])
-def worker(
-    request: pytest.FixtureRequest,
-    redis_server: RedisServer,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-) -> Iterator[Worker]:
-    """A two-slot prefork worker on the test Redis broker (started by the test).
-
-    Its locks and run records live in the result backend's Redis, or in
-    PostgreSQL (``dedup_store``).
-    """
-    runs_log.forget()
-    with subprocess_worker(
-        app, module=__name__, prefix="ONCE", queue=QUEUE,
-        dbs=(BROKER_DB, BACKEND_DB, RUNS_DB), request=request, redis_server=redis_server,
-        tmp_path=tmp_path, monkeypatch=monkeypatch,
-    ) as proc:
-        yield proc
+worker = worker_fixture(
+    app, runs_log,
+    module=__name__,
+    queue=QUEUE,
+    dbs=(BROKER_DB, BACKEND_DB, RUNS_DB),
+    doc=(
+        "A two-slot prefork worker on the test Redis broker (started by the test). Its "
+        "locks and run records live in the result backend's Redis, or in PostgreSQL "
+        "(``dedup_store``)."
+    ),
+)
 
 
 def runs(redis_server: RedisServer) -> list[str]:
