@@ -1,6 +1,7 @@
 """A freed concurrency slot goes to the oldest waiting message at once (``handoff``).
 
-Real in-thread workers on Redis (broker, backend and store). Each body
+Real in-thread workers on Redis (broker, backend and store; the first test
+on PostgreSQL as the store too). Each body
 appends its argument to a Redis list: the list is the order the key ran
 its calls in, and its length the number of runs.
 """
@@ -12,6 +13,8 @@ import threading
 import time
 from typing import Any
 
+import pytest
+
 from celery_dedup import DedupTask, backoff, runs
 from celery_dedup.limits import concurrency_store_key
 from celery_dedup.runtime import runtime_for
@@ -22,8 +25,19 @@ from tests.fixtures.redis import RedisServer
 from .conftest import AppFactory, wait_until
 
 
+@pytest.fixture(params=["redis", pytest.param("postgres", marks=pytest.mark.postgres)])
+def store_conf(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """The store keeping slots and runs: the Redis result backend, or PostgreSQL."""
+    if request.param == "redis":
+        return {}
+    return {"dedup_store": request.getfixturevalue("store_postgres").url}
+
+
 def test_waiting_calls_run_in_call_order_each_once(
-    app_factory: AppFactory, worker_for: Any, redis_server: RedisServer
+    app_factory: AppFactory,
+    worker_for: Any,
+    redis_server: RedisServer,
+    store_conf: dict[str, Any],
 ) -> None:
     """10 calls of one key at concurrency_limit=1 on a worker with 4 threads, nine of them
     published while the first runs: the bodies run in call order, each once, and every
@@ -31,7 +45,7 @@ def test_waiting_calls_run_in_call_order_each_once(
     backoff (the parked copies come back 10 s and more later, and are dropped as copies
     of a run that is done).
     """
-    app = app_factory("handoff")
+    app = app_factory("handoff", **store_conf)
     marks = redis_server.client(4)
     marks.delete("handoff:ran")
     deferrals: dict[int, int] = {}
