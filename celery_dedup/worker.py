@@ -37,7 +37,15 @@ from .lifecycle import DedupTaskLike, Held, Outcome, meta_for
 from .options import Fallback
 from .policy import KEEPS_ON_FAILURE, UniqueUntil, lock_ttl
 from .signals import lock_acquired, lock_released, task_skipped
-from .stores.base import Claim, ClaimOutcome, Lock, LockStore, RunOutcome, RunRef
+from .stores.base import (
+    Claim,
+    ClaimOutcome,
+    GateHandoff,
+    Lock,
+    LockStore,
+    RunOutcome,
+    RunRef,
+)
 
 __all__ = [
     "GUARD_PREFIX",
@@ -457,9 +465,45 @@ def _wait_for_gate(
     header = header_of(request)
     unique_for = header.unique_for if header is not None else 0.0
     coalesce.keep_waiting(store, run.key, run.owner, wait + unique_for)
+    _wait_at_gate(task, request, store, run, args, kwargs, wait)
     reason = "the previous run of its key is in progress"
     _defer(task, request, args, kwargs, run.key, reason, countdown=wait)
     raise AssertionError("unreachable")  # _defer raises Ignore
+
+
+def _wait_at_gate(
+    task: DedupTaskLike,
+    request: Any,
+    store: LockStore,
+    run: RunRef,
+    args: Any,
+    kwargs: Any,
+    countdown: float,
+) -> None:
+    """List this follow-up at its key's gate (``GateHandoff``): the run's end wakes it.
+
+    Its deferred copy stays the safety net. A gate found open (the run
+    ended since the claim) wakes it here; a store error leaves it to the
+    backoff alone.
+    """
+    if not isinstance(store, GateHandoff):
+        return
+    dedup_task: Any = task
+    waiter = handoff.waiter_of(dedup_task, request, args, kwargs, countdown)
+    if waiter is None:
+        return
+    try:
+        listed = store.wait_at_gate(run, waiter.payload, waiter.life)
+    except StoreError as exc:
+        logger.warning(
+            "celery-dedup: %s[%s] waits for its gate with the backoff alone: %s",
+            task.name,
+            request.id,
+            exc,
+        )
+        return
+    if not listed:
+        handoff.wake(dedup_task, [waiter.payload])
 
 
 def _claim_failed(
@@ -640,14 +684,24 @@ def _end_quietly(
     run = held.run
     assert run is not None
     done_ttl = _done_ttl(task, held)
+    # A gated run's end hands the gate to the follow-up waiting at it.
+    turns = held.store if run.gated and isinstance(held.store, GateHandoff) else None
+    woken: list[bytes] = []
 
     def end() -> bool:
-        return runs.records_of(held.store).end_run(
-            run, done_ttl, meta_for(task, held.task_id, held.header.until), release=release
-        )
+        meta = meta_for(task, held.task_id, held.header.until)
+        if turns is not None:
+            ended, payload = turns.end_run_in_turn(run, done_ttl, meta, release=release)
+            if payload is not None:
+                woken.append(payload)
+            return ended
+        return runs.records_of(held.store).end_run(run, done_ttl, meta, release=release)
 
     try:
-        return end()
+        ended = end()
+        if woken:
+            handoff.wake(task, woken)  # type: ignore[arg-type]
+        return ended
     except StoreError as exc:
         logger.warning(
             "celery-dedup: could not record the end of %s[%s] (lock %s): %s%s",

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from celery_dedup import DedupTask, backoff, runs
+from celery_dedup import DedupTask, backoff, coalesce, runs
 from celery_dedup.limits import concurrency_store_key
 from celery_dedup.runtime import runtime_for
 from celery_dedup.signals import task_skipped
@@ -187,3 +187,66 @@ def test_a_pickled_message_is_woken_with_its_arguments(
     assert first.get(timeout=30) == 0
     assert waiting.get(timeout=30) == {1, 2, b"\x00"}
     assert seen == [(0, None), ({1, 2, b"\x00"}, None)]  # run by its woken copy
+
+
+def test_a_keep_last_follow_up_is_woken_when_the_run_it_waits_for_ends(
+    app_factory: AppFactory,
+    worker_for: Any,
+    redis_server: RedisServer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A long keep_last run, a follow-up waiting at its gate: the run's end hands the gate
+    over and its worker publishes the follow-up at once. The follow-up runs from that woken
+    copy (no ETA: its parked copy's countdown is 10 s and more), deferred once, never beside
+    the run; its parked copy comes back and is dropped as a copy of a run that is done."""
+    monkeypatch.setattr(coalesce, "WAIT", 10.0)  # the parked copy comes back 10 s later
+    app = app_factory("handoff-gate", dedup_lease_ttl=60)
+    marks = redis_server.client(4)
+    marks.delete("gate:ran")
+    release = threading.Event()
+    seen: list[tuple[int, Any, int]] = []
+    spans: list[tuple[float, float]] = []
+    dropped: set[str] = set()
+
+    @app.task(
+        base=DedupTask,
+        shared=False,
+        bind=True,
+        unique_for=120,
+        on_duplicate="keep_last",
+        deduplication_key=lambda n: "account-1",
+    )
+    def sync(self: Any, n: int) -> int:
+        request = self.request
+        seen.append((n, request.eta, backoff.deferrals_of(request, runs.attempt_of(request))))
+        start = time.monotonic()
+        marks.rpush("gate:ran", n)
+        if n == 0:
+            release.wait(60)
+        spans.append((start, time.monotonic()))
+        return n
+
+    def on_skip(sender: Any = None, reason: str = "", task_id: str = "", **_: Any) -> None:
+        if getattr(sender, "name", None) == sync.name and reason == "already ran":
+            dropped.add(task_id)
+
+    task_skipped.connect(on_skip, weak=False)
+    try:
+        worker_for(app, concurrency=2)
+        first = sync.delay(0)
+        wait_until(lambda: marks.llen("gate:ran") == 1, timeout=30)
+        follow = sync.delay(1)
+        # The follow-up found the gate held: it waits at it (the store's own record).
+        wait_until(lambda: marks.keys("*:gatewait:"), timeout=30)
+        release.set()
+        assert first.get(timeout=30) == 0
+        assert follow.get(timeout=30) == 1
+        assert [(n, eta) for n, eta, _ in seen] == [(0, None), (1, None)]  # a woken copy ran
+        assert seen[1][2] == 1  # deferred once, by the gate
+        assert not marks.keys("*:gatewait:")  # the end took the waiter out
+        wait_until(lambda: follow.id in dropped, timeout=60)  # the parked copy came back
+        assert [int(x) for x in marks.lrange("gate:ran", 0, -1)] == [0, 1]
+        first_span, second_span = sorted(spans)
+        assert first_span[1] <= second_span[0]  # never beside the run it follows
+    finally:
+        task_skipped.disconnect(on_skip)
