@@ -5,13 +5,19 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from typing import cast
 
 import pytest
 
 from celery_dedup.stores import store_from_url
+from celery_dedup.runs import records_of
 from celery_dedup.stores.base import (
+    GateHandoff,
     LimitListing,
+    LockStore,
     RateSupport,
+    RunOutcome,
+    RunRef,
     SlotHandoff,
     SlotSupport,
     SlotTurn,
@@ -20,6 +26,7 @@ from celery_dedup.stores.base import (
 from celery_dedup.stores.memory import MemoryStore
 from tests.fixtures._store_case import StoreCase
 from tests.fixtures.redis import RedisServer
+from tests.stores.contract import META
 
 
 @pytest.fixture(params=[
@@ -342,3 +349,38 @@ def test_postgres_handoff_counts_a_slot_taken_by_an_older_worker(
     assert store.give_slot(key, "old") is True
     # The older worker's give wakes nobody: the waiter's next take finds the slot free.
     assert store.take_slot_in_turn(key, "new:2", 1, 30, _waiter("new", 1), 5) == SlotTurn(True, 1)
+
+
+@pytest.fixture(params=[
+    pytest.param("store_redis", marks=pytest.mark.redis, id="redis"),
+    pytest.param("store_redis_cluster", marks=pytest.mark.redis_cluster, id="redis-cluster"),
+])
+def gate_store(request: pytest.FixtureRequest) -> GateHandoff:
+    """A store whose run's end wakes the follow-up waiting at its gate (``GateHandoff``)."""
+    case: StoreCase = request.getfixturevalue(request.param)
+    assert isinstance(case.store, GateHandoff)
+    return case.store
+
+
+def test_gate_handoff_wakes_the_follow_up_when_the_run_ends(gate_store: GateHandoff) -> None:
+    """A follow-up listed at the gate a run holds is taken out by that run's end (its
+    payload, byte for byte); an end with no waiter, or not opening the gate, wakes nobody;
+    an open gate lists nobody."""
+    records = records_of(cast(LockStore, gate_store))
+    run = RunRef("gate:a", "owner-a", "0.0", "copy-1", gated=True)
+    assert records.claim_run(run, 30, META, release=False, ttl=30)[0] is RunOutcome.BEGUN
+    follow_up = RunRef("gate:a", "owner-b", "0.0", "copy-b", gated=True)
+    assert records.claim_run(follow_up, 30, META, release=False, ttl=30)[0] is RunOutcome.WAITING
+    payload = b"application/x-python-serialize;binary\n\x00\xff\x80 payload"
+    assert gate_store.wait_at_gate(follow_up, payload, 30) is True
+    assert gate_store.wait_at_gate(run, b"its own gate", 30) is False  # nobody else holds it
+    # A copy of the run that does not hold the gate opens nothing and wakes nobody.
+    stray = RunRef("gate:a", "owner-a", "0.0", "copy-2", gated=True)
+    assert gate_store.end_run_in_turn(stray, 30, META, release=None)[1] is None
+    assert gate_store.end_run_in_turn(run, 30, META, release=None)[1] == payload
+    assert gate_store.wait_at_gate(follow_up, payload, 30) is False  # the gate is open
+    assert records.claim_run(follow_up, 30, META, release=False, ttl=30)[0] is RunOutcome.BEGUN
+    assert gate_store.end_run_in_turn(follow_up, 30, META, release=None)[1] is None
+    plain = RunRef("gate:b", "owner-c", "0.0", "copy-c")
+    assert records.claim_run(plain, 30, META, release=False, ttl=30)[0] is RunOutcome.BEGUN
+    assert gate_store.end_run_in_turn(plain, 30, META, release=None) == (False, None)
