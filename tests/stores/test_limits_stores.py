@@ -9,8 +9,8 @@ from typing import cast
 
 import pytest
 
-from celery_dedup.stores import store_from_url
 from celery_dedup.runs import records_of
+from celery_dedup.stores import store_from_url
 from celery_dedup.stores.base import (
     GateHandoff,
     LimitListing,
