@@ -19,7 +19,7 @@ import threading
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 from celery import states
 from celery.exceptions import Ignore, Retry, TimeLimitExceeded, WorkerLostError
@@ -471,6 +471,11 @@ def _wait_for_gate(
     raise AssertionError("unreachable")  # _defer raises Ignore
 
 
+def _hands_gates_over(store: LockStore) -> bool:
+    """Whether ``store`` keeps run gates in its run records and wakes their waiters."""
+    return bool(getattr(store, "run_gates", False)) and isinstance(store, GateHandoff)
+
+
 def _wait_at_gate(
     task: DedupTaskLike,
     request: Any,
@@ -486,8 +491,9 @@ def _wait_at_gate(
     ended since the claim) wakes it here; a store error leaves it to the
     backoff alone.
     """
-    if not isinstance(store, GateHandoff):
+    if not _hands_gates_over(store):
         return
+    assert isinstance(store, GateHandoff)
     dedup_task: Any = task
     waiter = handoff.waiter_of(dedup_task, request, args, kwargs, countdown)
     if waiter is None:
@@ -685,7 +691,7 @@ def _end_quietly(
     assert run is not None
     done_ttl = _done_ttl(task, held)
     # A gated run's end hands the gate to the follow-up waiting at it.
-    turns = held.store if run.gated and isinstance(held.store, GateHandoff) else None
+    turns = cast(GateHandoff, held.store) if run.gated and _hands_gates_over(held.store) else None
     woken: list[bytes] = []
 
     def end() -> bool:
