@@ -354,6 +354,7 @@ def test_postgres_handoff_counts_a_slot_taken_by_an_older_worker(
 @pytest.fixture(params=[
     pytest.param("store_redis", marks=pytest.mark.redis, id="redis"),
     pytest.param("store_redis_cluster", marks=pytest.mark.redis_cluster, id="redis-cluster"),
+    pytest.param("store_postgres", marks=pytest.mark.postgres, id="postgres"),
 ])
 def gate_store(request: pytest.FixtureRequest) -> GateHandoff:
     """A store whose run's end wakes the follow-up waiting at its gate (``GateHandoff``)."""
