@@ -1,7 +1,8 @@
 """A freed concurrency slot goes to the oldest waiting message at once (``handoff``).
 
-Real in-thread workers on Redis (broker, backend and store; the first test
-on PostgreSQL as the store too). Each body
+Real in-thread workers on Redis (broker, backend and store; the call-order
+and ``keep_last`` tests on PostgreSQL as the store too). A ``keep_last``
+follow-up waiting for its run gate is handed the gate the same way. Each body
 appends its argument to a Redis list: the list is the order the key ran
 its calls in, and its length the number of runs.
 """
