@@ -10,6 +10,10 @@ headers), and the copy takes the reserved slot. The deferred copy the
 waiter parked with its backoff stays the safety net: a payload that was
 never published, a copy revoked or lost, a worker killed holding the slot.
 
+A ``keep_last`` follow-up waiting for its key's run gate is woken the same
+way (``GateHandoff``): its payload is listed at the gate, and the run's
+end, opening the gate, hands it back to the ending worker to publish.
+
 The place in the list is the call's time (``CALLED_FIELD``, written when
 the call is published and kept by every copy), so the key runs its waiting
 messages in call order however their deliveries interleave.
@@ -104,7 +108,7 @@ def wake(task: DedupTask, payloads: Iterable[bytes]) -> int:
             Task.apply_async(target, tuple(body["args"]), dict(body["kwargs"]), **options)
             published += 1
             logger.info(
-                "celery-dedup: %s[%s] woken: a concurrency slot is reserved for it",
+                "celery-dedup: %s[%s] woken: its turn came (a slot or its key's run gate)",
                 name,
                 options.get("task_id"),
             )

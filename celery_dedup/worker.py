@@ -19,7 +19,7 @@ import threading
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 from celery import states
 from celery.exceptions import Ignore, Retry, TimeLimitExceeded, WorkerLostError
@@ -41,6 +41,7 @@ from .stores.base import (
     OUTCOME_FIELD,
     Claim,
     ClaimOutcome,
+    GateHandoff,
     Lock,
     LockStore,
     RunOutcome,
@@ -467,9 +468,51 @@ def _wait_for_gate(
     header = header_of(request)
     unique_for = header.unique_for if header is not None else 0.0
     coalesce.keep_waiting(store, run.key, run.owner, wait + unique_for)
+    _wait_at_gate(task, request, store, run, args, kwargs, wait)
     reason = "the previous run of its key is in progress"
     _defer(task, request, args, kwargs, run.key, reason, countdown=wait)
     raise AssertionError("unreachable")  # _defer raises Ignore
+
+
+def _hands_gates_over(store: LockStore) -> bool:
+    """Whether ``store`` keeps run gates in its run records and wakes their waiters."""
+    return bool(getattr(store, "run_gates", False)) and isinstance(store, GateHandoff)
+
+
+def _wait_at_gate(
+    task: DedupTaskLike,
+    request: Any,
+    store: LockStore,
+    run: RunRef,
+    args: Any,
+    kwargs: Any,
+    countdown: float,
+) -> None:
+    """List this follow-up at its key's gate (``GateHandoff``): the run's end wakes it.
+
+    Its deferred copy stays the safety net. A gate found open (the run
+    ended since the claim) wakes it here; a store error leaves it to the
+    backoff alone.
+    """
+    if not _hands_gates_over(store):
+        return
+    assert isinstance(store, GateHandoff)
+    dedup_task: Any = task
+    waiter = handoff.waiter_of(dedup_task, request, args, kwargs, countdown)
+    if waiter is None:
+        return
+    try:
+        listed = store.wait_at_gate(run, waiter.payload, waiter.life)
+    except StoreError as exc:
+        logger.warning(
+            "celery-dedup: %s[%s] waits for its gate with the backoff alone: %s",
+            task.name,
+            request.id,
+            exc,
+        )
+        return
+    if not listed:
+        handoff.wake(dedup_task, [waiter.payload])
 
 
 def _claim_failed(
@@ -659,12 +702,23 @@ def _end_quietly(
     meta = meta_for(task, held.task_id, held.header.until)
     if outcome is not None:
         meta[OUTCOME_FIELD] = outcome.value
+    # A gated run's end hands the gate to the follow-up waiting at it.
+    turns = cast(GateHandoff, held.store) if run.gated and _hands_gates_over(held.store) else None
+    woken: list[bytes] = []
 
     def end() -> bool:
+        if turns is not None:
+            ended, payload = turns.end_run_in_turn(run, done_ttl, meta, release=release)
+            if payload is not None:
+                woken.append(payload)
+            return ended
         return runs.records_of(held.store).end_run(run, done_ttl, meta, release=release)
 
     try:
-        return end()
+        ended = end()
+        if woken:
+            handoff.wake(task, woken)  # type: ignore[arg-type]
+        return ended
     except StoreError as exc:
         logger.warning(
             "celery-dedup: could not record the end of %s[%s] (lock %s): %s%s",

@@ -45,6 +45,7 @@ __all__ = [
     "CounterSupport",
     "Durability",
     "DurabilityReport",
+    "GateHandoff",
     "LimitListing",
     "Lock",
     "LockMeta",
@@ -398,6 +399,30 @@ class RunRecords(Protocol):
         ended the run and how its body ended (``LockMeta["outcome"]`` given to
         ``end_run``, ``""`` when not recorded), or ``None`` (no done marker).
         One round trip."""
+
+
+@runtime_checkable
+class GateHandoff(Protocol):
+    """**Protocol:** a ``RunRecords`` store (``run_gates``) that wakes a ``keep_last``
+    follow-up when the run it waits for ends.
+
+    A key's run gate has at most one waiter: the follow-up that found it
+    held (a newer one replaces it). Its payload (the message to publish, as
+    ``handoff.waiter_of`` writes it) is kept beside the gate with a TTL; the
+    run's end, opening the gate in its one round trip, takes it back for
+    the ending worker to publish at once.
+    """
+
+    def wait_at_gate(self, run: RunRef, payload: bytes, life: float) -> bool:
+        """List ``payload`` as the gate's waiter for ``life`` seconds while another
+        run holds ``run``'s gate (one round trip); ``False``: the gate is open
+        (nothing listed: the caller publishes the payload itself)."""
+
+    def end_run_in_turn(
+        self, run: RunRef, done_ttl: float, meta: LockMeta, *, release: bool | None
+    ) -> tuple[bool, bytes | None]:
+        """``RunRecords.end_run`` in the same round trip, with the payload of the gate's
+        waiter when the end opened ``run``'s gate and one was listed (taken out)."""
 
 
 @runtime_checkable

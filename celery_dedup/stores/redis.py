@@ -443,6 +443,42 @@ end
 return 1
 """
 
+# END_RUN for a gated run, waking the gate's waiter (``GateHandoff``).
+# KEYS[1..3] - as END_RUN (KEYS[3], the gate, always)
+# KEYS[4] - the gate's waiter: the payload of the follow-up waiting at it (same hash slot)
+# ARGV - as END_RUN
+# return {END_RUN's answer, the waiter's payload when this end opened the gate}
+END_RUN_TURN = _PRELUDE + """
+local opened = redis.call('get', KEYS[3]) == 'L' .. ARGV[2]
+local function finish()
+""" + END_RUN[len(_PRELUDE):] + """
+end
+local answer = finish()
+if opened then
+    local payload = redis.call('get', KEYS[4])
+    if payload then
+        redis.call('del', KEYS[4])
+        return {answer, payload}
+    end
+end
+return {answer}
+"""
+
+# KEYS[1] - a key's run gate
+# KEYS[2] - the gate's waiter (same hash slot)
+# ARGV[1] - the waiting copy's delivery token
+# ARGV[2] - its payload
+# ARGV[3] - the waiter's life in milliseconds
+# return 1 if listed (another run holds the gate), else 0
+WAIT_AT_GATE = """
+local gate = redis.call('get', KEYS[1])
+if not gate or gate == 'L' .. ARGV[1] then
+    return 0
+end
+redis.call('set', KEYS[2], ARGV[2], 'PX', ARGV[3])
+return 1
+"""
+
 # KEYS[1] - a run record
 # KEYS[2] - its key's run gate, for a gated run only (same hash slot)
 # ARGV[1] - the delivery token
@@ -569,6 +605,10 @@ def classify(
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _as_bytes(value: Any) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode()
 
 
 def _ms(seconds: float) -> int:
@@ -711,6 +751,8 @@ class RedisStore(RedisLimits):
         self._get: Script = client.register_script(GET)
         self._claim_run: Script = client.register_script(CLAIM_RUN)
         self._end_run: Script = client.register_script(END_RUN)
+        self._end_run_turn: Script = client.register_script(END_RUN_TURN)
+        self._wait_at_gate: Script = client.register_script(WAIT_AT_GATE)
         self._lease: Script = client.register_script(LEASE)
         self._keep: Script = client.register_script(KEEP)
         self._peek: Script = client.register_script(PEEK)
@@ -992,6 +1034,24 @@ class RedisStore(RedisLimits):
         keys = [self._k(run.key), *self._run_keys(run)]
         args = [_enc(run.owner), run.token, _ms(done_ttl), action, meta.get(OUTCOME_FIELD, "")]
         return bool(self._run(self._end_run, keys, args))
+
+    def end_run_in_turn(
+        self, run: RunRef, done_ttl: float, meta: LockMeta, *, release: bool | None
+    ) -> tuple[bool, bytes | None]:
+        """``end_run``, taking the gate's waiter when it opens the gate (one EVALSHA)."""
+        if not run.gated:
+            return self.end_run(run, done_ttl, meta, release=release), None
+        action = "" if release is None else ("release" if release else "settle")
+        keys = [self._k(run.key), *self._run_keys(run), self._marker(run.key, "", "gatewait")]
+        args = [_enc(run.owner), run.token, _ms(done_ttl), action, meta.get(OUTCOME_FIELD, "")]
+        raw = self._run(self._end_run_turn, keys, args)
+        payload = raw[1] if len(raw) > 1 else None
+        return bool(raw[0]), (_as_bytes(payload) if payload is not None else None)
+
+    def wait_at_gate(self, run: RunRef, payload: bytes, life: float) -> bool:
+        """List the follow-up's payload at the gate another run holds (one EVALSHA)."""
+        keys = [self._marker(run.key, "", "gate"), self._marker(run.key, "", "gatewait")]
+        return bool(self._run(self._wait_at_gate, keys, [run.token, payload, _ms(life)]))
 
     def abandon_run(self, run: RunRef) -> bool:
         """Delete the lease if this copy holds it (one EVALSHA)."""

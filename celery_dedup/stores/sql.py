@@ -28,6 +28,7 @@ acquire. ``docs/stores/sql.md`` shows the exact SQL per dialect.
 
 from __future__ import annotations
 
+import base64
 import logging
 import os
 import random
@@ -45,6 +46,7 @@ from sqlalchemy import (
     create_engine,
     event,
     inspect,
+    text,
 )
 from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.engine.default import DefaultDialect
@@ -84,6 +86,7 @@ from .sql_dialects import (
     E_CONTENTION,
     E_KEY_TOO_LONG,
     E_NO_DIALECT,
+    GATE_WAIT_TABLE,
     KEY_LENGTH,
     LOCK_TABLE,
     REVOKED_TABLE,
@@ -105,6 +108,22 @@ from .sql_dialects import (
     revoked_table,
 )
 from .sql_limits import SQLLimits
+
+_PG_NOW = "CAST(EXTRACT(EPOCH FROM statement_timestamp()) AS DOUBLE PRECISION)"
+
+# GateHandoff.wait_at_gate on PostgreSQL: the follow-up's message, listed while
+# another copy holds the gate (read FOR SHARE: an end opening the gate waits
+# for this statement, or this statement finds the gate gone and lists nothing).
+WAIT_AT_GATE = text(f"""
+INSERT INTO {GATE_WAIT_TABLE} AS w (key, payload, expires_at)
+SELECT g.key, :payload, {_PG_NOW} + :life FROM (
+  SELECT key FROM {LOCK_TABLE}
+  WHERE key = :gate AND owner <> :run AND policy = :running AND expires_at > {_PG_NOW}
+  FOR SHARE
+) AS g
+ON CONFLICT (key) DO UPDATE SET payload = excluded.payload, expires_at = excluded.expires_at
+RETURNING w.key
+""")
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -653,6 +672,12 @@ class SQLStore(SQLLimits):
         One statement on PostgreSQL; elsewhere the marker's upsert, then the
         ``DELETE`` or ``UPDATE`` of the lock (none when it is left).
         """
+        params = self._end_params(run, done_ttl, meta, release)
+        return self._run(lambda d, r: d.end_run(r, params), run.key)
+
+    def _end_params(
+        self, run: RunRef, done_ttl: float, meta: LockMeta, release: bool | None
+    ) -> dict[str, Any]:
         params = self._params(run.key, run.owner, done_ttl, meta)
         params.update(self._run_params(run, done_ttl, DONE_POLICY))
         if outcome := meta.get(OUTCOME_FIELD, ""):
@@ -661,7 +686,36 @@ class SQLStore(SQLLimits):
         params["b_settle"] = release is False
         params["b_ttl"] = None  # a settle keeps the lock's expiry
         params.update(self._gate_params(run))
-        return self._run(lambda d, r: d.end_run(r, params), run.key)
+        return params
+
+    def end_run_in_turn(
+        self, run: RunRef, done_ttl: float, meta: LockMeta, *, release: bool | None
+    ) -> tuple[bool, bytes | None]:
+        """``end_run``, with the message of the follow-up waiting at the gate it opened
+        (``GateHandoff``: the same one statement, PostgreSQL; elsewhere nobody waits)."""
+        if not (run.gated and self.run_gates):
+            return self.end_run(run, done_ttl, meta, release=release), None
+        params = self._end_params(run, done_ttl, meta, release)
+        held, woken = self._run(lambda d, r: d.end_run_in_turn(r, params), run.key)
+        return held, (base64.b64decode(woken) if woken else None)
+
+    def wait_at_gate(self, run: RunRef, payload: bytes, life: float) -> bool:
+        """List the follow-up at the gate another copy holds (``GateHandoff``; one
+        statement, PostgreSQL; elsewhere the gate is a plain lock: ``False``)."""
+        if not self.run_gates:
+            return False
+        params = {
+            "gate": run.gate,
+            "run": run.token,
+            "running": RUNNING_POLICY,
+            "payload": base64.b64encode(payload).decode("ascii"),
+            "life": float(life),
+        }
+
+        def wait(_dialect: _Dialect, runner: _Runner) -> bool:
+            return runner.connection.execute(WAIT_AT_GATE, params).first() is not None
+
+        return self._run(wait, run.key)
 
     def abandon_run(self, run: RunRef) -> bool:
         """Delete the lease if ``run``'s copy holds it (one DELETE; a done marker stays).
@@ -768,6 +822,7 @@ class SQLStore(SQLLimits):
 
         def purge(dialect: _Dialect, run: _Runner) -> int:
             run(dialect.reap_revoked, {})
+            run(dialect.reap_gate_waits, {})
             return run(dialect.reap, {}).rowcount
 
         return self._run(purge)

@@ -31,6 +31,7 @@ from sqlalchemy import (
     MetaData,
     String,
     Table,
+    Text,
     and_,
     cast,
     delete,
@@ -81,9 +82,11 @@ from .base import (
 
 __all__ = [
     "COUNTER_TABLE",
+    "GATE_WAIT_TABLE",
     "LOCK_TABLE",
     "REVOKED_TABLE",
     "counter_table",
+    "gate_wait_table",
     "lock_table",
     "metadata",
     "revoked_table",
@@ -97,6 +100,7 @@ SchemaMap = Mapping[str | None, str | None] | None
 LOCK_TABLE = "celery_dedup_sql_lock"
 REVOKED_TABLE = "celery_dedup_sql_revoked"
 COUNTER_TABLE = "celery_dedup_sql_counter"
+GATE_WAIT_TABLE = "celery_dedup_sql_gate_wait"
 #: The longest key the lock table holds (a MySQL utf8mb4 primary key limit).
 KEY_LENGTH = 255
 
@@ -210,8 +214,22 @@ counter_table = Table(
     mysql_charset="utf8mb4",
 )
 
+#: One row per ``keep_last`` run gate with a follow-up waiting at it (``GateHandoff``,
+#: PostgreSQL): the follow-up's message to publish when the gate opens (base64).
+gate_wait_table = Table(
+    GATE_WAIT_TABLE,
+    metadata,
+    Column("key", _varchar(KEY_LENGTH), primary_key=True),
+    Column("payload", Text(), nullable=False),
+    Column("expires_at", Double(), nullable=False),
+    Index(f"ix_{GATE_WAIT_TABLE}_expires_at", "expires_at"),
+    mysql_engine="InnoDB",
+    mysql_charset="utf8mb4",
+)
+
 _L = lock_table.c
 _R = revoked_table.c
+_G = gate_wait_table.c
 _C = counter_table.c
 #: Columns every statement that reports a lock returns, then the database's now.
 _LOCK_COLUMNS = (
@@ -384,6 +402,9 @@ class _Dialect:
         )
         self.reap = self.render(delete(lock_table).where(_L.expires_at <= self.now))
         self.reap_revoked = self.render(delete(revoked_table).where(_R.expires_at <= self.now))
+        self.reap_gate_waits = self.render(
+            delete(gate_wait_table).where(_G.expires_at <= self.now)
+        )
         self.read_counts = self.render(
             select(_C.task_name, _C.event, _C.count.label("total")).where(
                 _C.prefix == bindparam("b_prefix")
@@ -520,6 +541,10 @@ class _Dialect:
     def end_run(self, run: _Runner, params: dict[str, Any]) -> bool:
         """Write the done marker, then release (``b_release``) or settle (``b_settle``)."""
         raise NotImplementedError
+
+    def end_run_in_turn(self, run: _Runner, params: dict[str, Any]) -> tuple[bool, str | None]:
+        """``end_run``, with the payload its gate's opening woke (a gate-keeping dialect)."""
+        return self.end_run(run, params), None
 
     def add_counts(self, rows: list[dict[str, Any]]) -> Executable:
         """One statement adding ``rows`` to the counters (built per call: Core)."""
@@ -786,9 +811,21 @@ class _Postgres(_Dialect):
             .returning(_L.key)
             .cte("settled")
         )
+        # The gate it opened goes to the follow-up waiting at it (``GateHandoff``).
+        woken = (
+            delete(gate_wait_table)
+            .where(
+                _G.key == bindparam("b_gate", type_=String()),
+                exists(select(opened.c.key)),
+                _G.expires_at > self.now,
+            )
+            .returning(_G.payload)
+            .cte("woken")
+        )
         return select(
-            or_(exists(select(gone.c.key)), exists(select(settled.c.key))).label("held")
-        ).add_cte(done, opened)
+            or_(exists(select(gone.c.key)), exists(select(settled.c.key))).label("held"),
+            select(woken.c.payload).scalar_subquery().label("woken"),
+        ).add_cte(done, opened, woken)
 
     def _claim_statement(
         self,
@@ -931,6 +968,11 @@ class _Postgres(_Dialect):
 
     def end_run(self, run: _Runner, params: dict[str, Any]) -> bool:
         return bool(run(self.end_run_stmt, params).one().held)
+
+    def end_run_in_turn(self, run: _Runner, params: dict[str, Any]) -> tuple[bool, str | None]:
+        """``end_run``, with the payload of the follow-up its gate's opening woke."""
+        row = run(self.end_run_stmt, params).one()
+        return bool(row.held), row.woken
 
     def renew_runs(self, run: _Runner, pairs: Sequence[tuple[str, str]], lease: float) -> int:
         params = {

@@ -10,31 +10,52 @@ limit holds exactly, in one statement. Times are epoch seconds on the
 database's clock; each row carries an expiry, and expired rows are
 deleted by the call that finds the reap interval passed.
 
+The handoff (``SlotHandoff``) keeps a key's wait list and reservations in
+a table of its own (``celery_dedup_sql_slot_wait``: rows of workers that
+predate it keep working, the holders stay where they were) and runs in one
+server-side function (``celery_dedup_slot_turn_v1``, created with that
+table): one round trip, a transaction that locks the key's slot row, then
+its wait row, and writes both.
+
 Other SQL dialects (MySQL, MariaDB, SQLite) do not keep limits: a task
 using one there raises ``LimitsNotSupported``.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from sqlalchemy import Column, Double, Table, Text, text
+from sqlalchemy import DDL, Column, Double, Table, Text, event, text
+from sqlalchemy.exc import DBAPIError
 
 from ..exceptions import LimitsNotSupported
-from .base import RateAnswer, RateWindow, SlotUsage
+from .base import RateAnswer, RateWindow, SlotTurn, SlotUsage, SlotWaiter
 from .rate_entries import new_entry, task_id_of
 from .sql_dialects import KEY_LENGTH, _varchar, metadata
 
-__all__ = ["RATE_TABLE", "SLOT_TABLE", "SQLLimits", "rate_table", "slot_table"]
+__all__ = [
+    "RATE_TABLE",
+    "SLOT_TABLE",
+    "SLOT_WAIT_TABLE",
+    "SQLLimits",
+    "rate_table",
+    "slot_table",
+    "slot_wait_table",
+]
 
 T = TypeVar("T")
 
 SLOT_TABLE = "celery_dedup_sql_slot"
 RATE_TABLE = "celery_dedup_sql_rate"
+SLOT_WAIT_TABLE = "celery_dedup_sql_slot_wait"
+#: The handoff's function; a new version gets a new name (workers of both
+#: versions may run side by side).
+TURN_FUNCTION = "celery_dedup_slot_turn_v1"
 
 #: One row per concurrency key: its holders and their lease expiries (JSON).
 slot_table = Table(
@@ -42,6 +63,19 @@ slot_table = Table(
     metadata,
     Column("key", _varchar(KEY_LENGTH), primary_key=True),
     Column("holders", Text(), nullable=False),
+    Column("expires_at", Double(), nullable=False),
+    mysql_engine="InnoDB",
+    mysql_charset="utf8mb4",
+)
+
+#: One row per concurrency key with waiters: its wait list (waiter id ->
+#: [place, expiry, payload in base64]) and reservations (waiter id -> expiry), JSON.
+slot_wait_table = Table(
+    SLOT_WAIT_TABLE,
+    metadata,
+    Column("key", _varchar(KEY_LENGTH), primary_key=True),
+    Column("waiters", Text(), nullable=False),
+    Column("reserved", Text(), nullable=False),
     Column("expires_at", Double(), nullable=False),
     mysql_engine="InnoDB",
     mysql_charset="utf8mb4",
@@ -162,8 +196,113 @@ LIST_RATES = text(
     f"WHERE key LIKE :pattern ESCAPE '\\' AND expires_at > {_NOW} ORDER BY key"
 )
 
+# The handoff, as ``MemoryLimits.take_slot_in_turn``/``give_slot_in_turn`` do it.
+# p_ttl NULL: give p_holder's slot back; p_me NULL: no waiter. The slot row
+# is locked first (as every slot statement does), then the wait row: the
+# key's calls serialise on it, and every statement in the function sees
+# the rows as the last one committed them.
+TURN_SQL = f"""
+CREATE OR REPLACE FUNCTION {TURN_FUNCTION}(
+  p_key text, p_holder text, p_limit integer, p_ttl double precision,
+  p_me text, p_place double precision, p_life double precision, p_payload text,
+  p_grace double precision,
+  OUT taken boolean, OUT in_use integer, OUT woken text[])
+LANGUAGE plpgsql AS $fn$
+DECLARE
+  v_now double precision := {_NOW};
+  v_holders jsonb;
+  v_waiters jsonb;
+  v_reserved jsonb;
+  v_free integer;
+  v_next record;
+BEGIN
+  woken := ARRAY[]::text[];
+  INSERT INTO {SLOT_TABLE} (key, holders, expires_at) VALUES (p_key, '{{}}', v_now)
+    ON CONFLICT (key) DO NOTHING;
+  SELECT CAST(s.holders AS jsonb) INTO v_holders FROM {SLOT_TABLE} AS s
+    WHERE s.key = p_key FOR UPDATE;
+  INSERT INTO {SLOT_WAIT_TABLE} (key, waiters, reserved, expires_at)
+    VALUES (p_key, '{{}}', '{{}}', v_now) ON CONFLICT (key) DO NOTHING;
+  SELECT CAST(w.waiters AS jsonb), CAST(w.reserved AS jsonb) INTO v_waiters, v_reserved
+    FROM {SLOT_WAIT_TABLE} AS w WHERE w.key = p_key FOR UPDATE;
+  v_holders := coalesce((SELECT jsonb_object_agg(e.k, e.v) FROM jsonb_each(v_holders) AS e(k, v)
+    WHERE CAST(e.v #>> '{{}}' AS double precision) > v_now), '{{}}');
+  v_reserved := coalesce((SELECT jsonb_object_agg(e.k, e.v) FROM jsonb_each(v_reserved) AS e(k, v)
+    WHERE CAST(e.v #>> '{{}}' AS double precision) > v_now), '{{}}');
+  v_waiters := coalesce((SELECT jsonb_object_agg(e.k, e.v) FROM jsonb_each(v_waiters) AS e(k, v)
+    WHERE CAST(e.v ->> 1 AS double precision) > v_now), '{{}}');
+  taken := false;
+  IF p_ttl IS NULL THEN
+    v_holders := v_holders - p_holder;
+  ELSE
+    taken := v_holders ? p_holder;
+    IF NOT taken AND p_me IS NOT NULL AND v_reserved ? p_me THEN
+      v_reserved := v_reserved - p_me;
+      taken := true;
+    ELSIF NOT taken AND p_me IS NOT NULL THEN
+      v_waiters := v_waiters || jsonb_build_object(p_me, jsonb_build_array(
+        coalesce(v_waiters -> p_me -> 0, to_jsonb(p_place)), v_now + p_life, p_payload));
+    END IF;
+    IF taken THEN
+      v_holders := v_holders || jsonb_build_object(p_holder, v_now + p_ttl);
+      IF p_me IS NOT NULL THEN
+        v_waiters := v_waiters - p_me;
+      END IF;
+    END IF;
+  END IF;
+  v_free := p_limit - (SELECT count(*) FROM jsonb_object_keys(v_holders))
+    - (SELECT count(*) FROM jsonb_object_keys(v_reserved));
+  IF v_free > 0 THEN
+    FOR v_next IN
+      SELECT e.k, e.v ->> 2 AS payload FROM jsonb_each(v_waiters) AS e(k, v)
+      ORDER BY CAST(e.v ->> 0 AS double precision), e.k LIMIT v_free
+    LOOP
+      v_waiters := v_waiters - v_next.k;
+      IF v_next.k = p_me AND NOT taken THEN
+        v_holders := v_holders || jsonb_build_object(p_holder, v_now + p_ttl);
+        taken := true;
+      ELSE
+        v_reserved := v_reserved || jsonb_build_object(v_next.k, v_now + p_grace);
+        woken := woken || v_next.payload;
+      END IF;
+    END LOOP;
+  END IF;
+  in_use := (SELECT count(*) FROM jsonb_object_keys(v_holders))
+    + (SELECT count(*) FROM jsonb_object_keys(v_reserved));
+  IF NOT taken AND p_ttl IS NOT NULL AND p_me IS NULL AND in_use < p_limit THEN
+    v_holders := v_holders || jsonb_build_object(p_holder, v_now + p_ttl);
+    taken := true;
+    in_use := in_use + 1;
+  END IF;
+  UPDATE {SLOT_TABLE} SET holders = CAST(v_holders AS text),
+    expires_at = greatest(expires_at, v_now + coalesce(p_ttl, 0))
+    WHERE key = p_key;
+  UPDATE {SLOT_WAIT_TABLE} SET waiters = CAST(v_waiters AS text),
+    reserved = CAST(v_reserved AS text),
+    expires_at = greatest(expires_at, v_now,
+      (SELECT max(CAST(e.v ->> 1 AS double precision)) FROM jsonb_each(v_waiters) AS e(k, v)),
+      (SELECT max(CAST(e.v #>> '{{}}' AS double precision)) FROM jsonb_each(v_reserved) AS e(k, v)))
+    WHERE key = p_key;
+END
+$fn$
+"""
+
+# Created with the wait table (``metadata.create_all``); a database whose table
+# came another way gets it on the first handoff call (``_turn``).
+event.listen(
+    slot_wait_table,
+    "after_create",
+    DDL(TURN_SQL).execute_if(dialect="postgresql"),  # type: ignore[no-untyped-call]
+)
+
+TURN = text(
+    f"SELECT taken, in_use, woken FROM {TURN_FUNCTION}(:key, :holder, :limit, :ttl, :me, "
+    ":place, :life, :payload, :grace)"
+)
+
 REAP = (
     text(f"DELETE FROM {SLOT_TABLE} WHERE expires_at <= {_NOW}"),
+    text(f"DELETE FROM {SLOT_WAIT_TABLE} WHERE expires_at <= {_NOW}"),
     text(f"DELETE FROM {RATE_TABLE} WHERE expires_at <= {_NOW}"),
 )
 
@@ -240,6 +379,58 @@ class SQLLimits:
         now = float(row.now)
         return sum(1 for expiry in json.loads(row.holders).values() if float(expiry) > now)
 
+    # -- SlotHandoff ------------------------------------------------------
+
+    def take_slot_in_turn(
+        self,
+        key: str,
+        holder: str,
+        limit: int,
+        ttl: float,
+        waiter: SlotWaiter | None,
+        grace: float,
+    ) -> SlotTurn:
+        """Take a slot in turn, or wait for one (``SlotHandoff``; one function call)."""
+        params: dict[str, Any] = {
+            "key": key, "holder": holder, "limit": limit, "ttl": float(ttl), "grace": float(grace),
+            "me": None, "place": None, "life": None, "payload": None,
+        }
+        if waiter is not None:
+            params.update(
+                me=waiter.id,
+                place=float(waiter.order),
+                life=float(waiter.life),
+                payload=base64.b64encode(waiter.payload).decode("ascii"),
+            )
+        row = self._turn(params, key)
+        return SlotTurn(bool(row.taken), int(row.in_use), _payloads(row.woken))
+
+    def give_slot_in_turn(
+        self, key: str, holder: str, limit: int, grace: float
+    ) -> tuple[bytes, ...]:
+        """Give the holder's slot back and wake the oldest waiters (one function call)."""
+        params: dict[str, Any] = {
+            "key": key, "holder": holder, "limit": limit, "ttl": None, "grace": float(grace),
+            "me": None, "place": None, "life": None, "payload": None,
+        }
+        return _payloads(self._turn(params, key).woken)
+
+    def _turn(self, params: dict[str, Any], key: str) -> Any:
+        try:
+            return self._limits(TURN, params, key).one()
+        except Exception as exc:
+            if not _undefined_function(exc):
+                raise
+
+        # The wait table predates the function, or came from a migration tool.
+        def create(_dialect: Any, runner: Any) -> None:
+            runner.connection.execute(text(TURN_SQL).execution_options(no_parameters=True))
+
+        # Workers racing to create it: one wins, the others' errors change nothing.
+        with contextlib.suppress(Exception):
+            self._run(create, key)
+        return self._limits(TURN, params, key).one()
+
     # -- RateSupport -------------------------------------------------------
 
     def hit_rate(
@@ -298,6 +489,21 @@ class SQLLimits:
     def forget_rate(self, key: str, member: str) -> bool:
         """Take ``member`` back out of the window (``RateRelease``; one UPDATE)."""
         return bool(self._limits(FORGET_RATE, {"key": key, "member": member}, key).rowcount)
+
+
+def _payloads(woken: Any) -> tuple[bytes, ...]:
+    return tuple(base64.b64decode(payload) for payload in woken or ())
+
+
+def _undefined_function(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it wraps) is PostgreSQL's "function does not exist"."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        orig = seen.orig if isinstance(seen, DBAPIError) else None
+        if getattr(orig, "sqlstate", None) == "42883" or getattr(orig, "pgcode", None) == "42883":
+            return True
+        seen = seen.__cause__
+    return False
 
 
 def _like(prefix: str) -> str:

@@ -5,13 +5,19 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from typing import cast
 
 import pytest
 
+from celery_dedup.runs import records_of
 from celery_dedup.stores import store_from_url
 from celery_dedup.stores.base import (
+    GateHandoff,
     LimitListing,
+    LockStore,
     RateSupport,
+    RunOutcome,
+    RunRef,
     SlotHandoff,
     SlotSupport,
     SlotTurn,
@@ -20,6 +26,7 @@ from celery_dedup.stores.base import (
 from celery_dedup.stores.memory import MemoryStore
 from tests.fixtures._store_case import StoreCase
 from tests.fixtures.redis import RedisServer
+from tests.stores.contract import META
 
 
 @pytest.fixture(params=[
@@ -220,6 +227,7 @@ def test_rate_window_counts_publishes_not_task_ids(limited_store: object) -> Non
 @pytest.fixture(params=[
     pytest.param("redis", marks=pytest.mark.redis, id="redis"),
     pytest.param("redis-cluster", marks=pytest.mark.redis_cluster, id="redis-cluster"),
+    pytest.param("postgres", marks=pytest.mark.postgres, id="postgres"),
     pytest.param("memory", id="memory"),
 ])
 def handoff_store(request: pytest.FixtureRequest) -> Iterator[SlotHandoff]:
@@ -290,3 +298,90 @@ def test_handoff_lapses_reservations_and_waiters(handoff_store: SlotHandoff) -> 
     time.sleep(0.3)  # the reservation for "lost" lapsed: its copy never came
     turn = store.take_slot_in_turn(key, "next:2", 1, 30, _waiter("next", 4), 0.2)
     assert turn == SlotTurn(True, 1)
+
+
+def test_handoff_holds_the_limit_under_contention(handoff_store: SlotHandoff) -> None:
+    """20 threads take a slot of one key with limit 2 as waiters: exactly 2 hold one, the
+    other 18 are listed; each give wakes exactly one of them, oldest first."""
+    store, key = handoff_store, "celery-dedup-slots:t:race"
+    barrier = threading.Barrier(20)
+    turns: dict[int, SlotTurn] = {}
+
+    def take(n: int) -> None:
+        barrier.wait()
+        turns[n] = store.take_slot_in_turn(key, f"h{n}", 2, 30, _waiter(f"w{n}", n), 5)
+
+    threads = [threading.Thread(target=take, args=(n,)) for n in range(20)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    holders = sorted(n for n, turn in turns.items() if turn.taken)
+    assert len(holders) == 2 and all(turn.in_use <= 2 for turn in turns.values())
+    waiting = sorted(set(range(20)) - set(holders))
+    assert store.give_slot_in_turn(key, f"h{holders[0]}", 2, 5) == (
+        f"payload of w{waiting[0]}".encode(),
+    )
+    assert store.give_slot_in_turn(key, f"h{holders[1]}", 2, 5) == (
+        f"payload of w{waiting[1]}".encode(),
+    )
+
+
+def test_postgres_handoff_counts_a_slot_taken_by_an_older_worker(
+    request: pytest.FixtureRequest,
+) -> None:
+    """A holder written by ``take_slot`` (a worker without the handoff) holds its slot for the
+    handoff; the handoff's function is created again when the database lost it."""
+    pytest.importorskip("psycopg")
+    case: StoreCase = request.getfixturevalue("store_postgres")
+    store = case.store
+    assert isinstance(store, SlotHandoff) and isinstance(store, SlotSupport)
+    key = "celery-dedup-slots:t:old"
+    assert store.take_slot(key, "old", 1, 30) == (True, 1)
+    from sqlalchemy import text
+
+    from celery_dedup.stores.sql_limits import TURN_FUNCTION
+
+    with store.engine.connect() as conn:  # type: ignore[attr-defined]
+        conn.execute(text(f"DROP FUNCTION {TURN_FUNCTION}"))
+        conn.commit()
+    assert store.take_slot_in_turn(key, "new", 1, 30, _waiter("new", 1), 5) == SlotTurn(False, 1)
+    assert store.give_slot(key, "old") is True
+    # The older worker's give wakes nobody: the waiter's next take finds the slot free.
+    assert store.take_slot_in_turn(key, "new:2", 1, 30, _waiter("new", 1), 5) == SlotTurn(True, 1)
+
+
+@pytest.fixture(params=[
+    pytest.param("store_redis", marks=pytest.mark.redis, id="redis"),
+    pytest.param("store_redis_cluster", marks=pytest.mark.redis_cluster, id="redis-cluster"),
+    pytest.param("store_postgres", marks=pytest.mark.postgres, id="postgres"),
+])
+def gate_store(request: pytest.FixtureRequest) -> GateHandoff:
+    """A store whose run's end wakes the follow-up waiting at its gate (``GateHandoff``)."""
+    case: StoreCase = request.getfixturevalue(request.param)
+    assert isinstance(case.store, GateHandoff)
+    return case.store
+
+
+def test_gate_handoff_wakes_the_follow_up_when_the_run_ends(gate_store: GateHandoff) -> None:
+    """A follow-up listed at the gate a run holds is taken out by that run's end (its
+    payload, byte for byte); an end with no waiter, or not opening the gate, wakes nobody;
+    an open gate lists nobody."""
+    records = records_of(cast(LockStore, gate_store))
+    run = RunRef("gate:a", "owner-a", "0.0", "copy-1", gated=True)
+    assert records.claim_run(run, 30, META, release=False, ttl=30)[0] is RunOutcome.BEGUN
+    follow_up = RunRef("gate:a", "owner-b", "0.0", "copy-b", gated=True)
+    assert records.claim_run(follow_up, 30, META, release=False, ttl=30)[0] is RunOutcome.WAITING
+    payload = b"application/x-python-serialize;binary\n\x00\xff\x80 payload"
+    assert gate_store.wait_at_gate(follow_up, payload, 30) is True
+    assert gate_store.wait_at_gate(run, b"its own gate", 30) is False  # nobody else holds it
+    # A copy of the run that does not hold the gate opens nothing and wakes nobody.
+    stray = RunRef("gate:a", "owner-a", "0.0", "copy-2", gated=True)
+    assert gate_store.end_run_in_turn(stray, 30, META, release=None)[1] is None
+    assert gate_store.end_run_in_turn(run, 30, META, release=None)[1] == payload
+    assert gate_store.wait_at_gate(follow_up, payload, 30) is False  # the gate is open
+    assert records.claim_run(follow_up, 30, META, release=False, ttl=30)[0] is RunOutcome.BEGUN
+    assert gate_store.end_run_in_turn(follow_up, 30, META, release=None)[1] is None
+    plain = RunRef("gate:b", "owner-c", "0.0", "copy-c")
+    assert records.claim_run(plain, 30, META, release=False, ttl=30)[0] is RunOutcome.BEGUN
+    assert gate_store.end_run_in_turn(plain, 30, META, release=None) == (False, None)

@@ -36,6 +36,7 @@ from sqlalchemy import (
     func,
     inspect,
     select,
+    text,
 )
 
 from celery_dedup import ImproperlyConfigured, StorePermissionDenied, StoreUnavailable
@@ -43,6 +44,7 @@ from celery_dedup.runtime import runtime_for
 from celery_dedup.stores import derive_store_url, sql, sql_dialects, store_from_url
 from celery_dedup.stores.base import ClaimOutcome, RevokeOutcome, revoked_marker_key
 from celery_dedup.stores.sql import SQLStore, lock_table, revoked_table
+from celery_dedup.stores.sql_limits import TURN_FUNCTION
 from tests.fixtures._servers import free_port
 from tests.fixtures._store_case import StoreCase
 from tests.fixtures.mysql import MySQLServer
@@ -528,8 +530,16 @@ def test_tables_created_on_first_use(empty_database: Callable[[], str]) -> None:
         tables = set(inspect(store.engine).get_table_names())
         assert tables == {
             "celery_dedup_sql_lock", "celery_dedup_sql_revoked", "celery_dedup_sql_counter",
-            "celery_dedup_sql_slot", "celery_dedup_sql_rate",
+            "celery_dedup_sql_slot", "celery_dedup_sql_rate", "celery_dedup_sql_slot_wait",
+            "celery_dedup_sql_gate_wait",
         }
+        if store.engine.dialect.name == "postgresql":  # the handoff's function, with its table
+            with store.engine.connect() as conn:
+                found = conn.execute(
+                    text("SELECT count(*) FROM pg_proc WHERE proname = :name"),
+                    {"name": TURN_FUNCTION},
+                ).scalar()
+            assert found == 1
         holder = other.acquire("k", "owner-b", 30, META)
         assert holder is not None and holder.owner == "owner-a"
     finally:
