@@ -26,6 +26,7 @@ from .exceptions import (
     DedupKeyError,
     DeduplicationUnavailable,
     DuplicateTaskError,
+    FencingNotSupported,
     ImproperlyConfigured,
     InvalidOptionError,
     KeyReuseError,
@@ -33,6 +34,7 @@ from .exceptions import (
     LimitsNotSupported,
     MalformedHeader,
     MissingDeduplicationKey,
+    NoFenceError,
     OptionCombinationError,
     RateLimited,
     ScanNotSupported,
@@ -42,6 +44,7 @@ from .exceptions import (
     StoreRefused,
     StoreUnavailable,
 )
+from .fence import current_fence, fenced_hset, fenced_update
 from .identity import Identity, time_bucket
 from .limits import OnRateLimit
 from .options import Fallback, OnDuplicate, OnKeyReuse
@@ -73,6 +76,7 @@ __all__ = [
     "DeduplicationUnavailable",
     "DuplicateTaskError",
     "Fallback",
+    "FencingNotSupported",
     "Identity",
     "ImproperlyConfigured",
     "InvalidOptionError",
@@ -82,6 +86,7 @@ __all__ = [
     "Lock",
     "MalformedHeader",
     "MissingDeduplicationKey",
+    "NoFenceError",
     "OnDuplicate",
     "OnKeyReuse",
     "OnRateLimit",
@@ -95,9 +100,12 @@ __all__ = [
     "StoreRefused",
     "StoreUnavailable",
     "UniqueUntil",
+    "current_fence",
     "dedup_fallback",
     "dedup_key_for",
     "enqueue_many",
+    "fenced_hset",
+    "fenced_update",
     "inspect_lock",
     "key_reused",
     "lock_acquired",
