@@ -47,8 +47,10 @@ def current_fence() -> int:
     """
     from celery import current_task
 
+    if not current_task:  # a proxy: false outside a task
+        raise NoFenceError("not called inside a task's body")
     task = current_task
-    if task is None or task.request.id is None:
+    if task.request.id is None:
         raise NoFenceError("not called inside a task's body")
     fence = getattr(task.request, FENCE_FIELD, None)
     if fence is None:
