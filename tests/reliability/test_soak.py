@@ -147,6 +147,8 @@ def test_soak_finds_no_violation(
     assert any(c.max_wait is not None and c.outcome == "published" for c in trace.calls), report
     kinds = Counter(e.kind for e in trace.events)
     assert kinds["start"] > 0 and kinds["skipped"] > 0 and kinds["revoked"] > 0, report
+    if fence:  # every run that started had a token, judged by check_fences
+        assert all(e.fence > 0 for e in trace.events if e.kind == "start"), report
     assert all(k in Kind for k in Kind)
 
 
