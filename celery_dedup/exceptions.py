@@ -453,7 +453,9 @@ class NoFenceError(DedupError, LookupError):
     Only the body of a task with ``fence=True`` whose start claim admitted
     it has a fence: not a task without it, not a call with no deduplication
     key (``unique_for=None``: no lock, no fence), not an eager call
-    (``task.apply()``, ``task_always_eager``), not code outside a task.
+    (``task.apply()``, ``task_always_eager``), not a run the fallback let
+    through while the store did not answer its start claim, not code
+    outside a task.
     """
 
     def __init__(self, reason: str, task_name: str = "") -> None:
