@@ -26,6 +26,7 @@ from .exceptions import (
     DedupKeyError,
     DeduplicationUnavailable,
     DuplicateTaskError,
+    FencingNotSupported,
     ImproperlyConfigured,
     InvalidOptionError,
     KeyReuseError,
@@ -33,6 +34,7 @@ from .exceptions import (
     LimitsNotSupported,
     MalformedHeader,
     MissingDeduplicationKey,
+    NoFenceError,
     OptionCombinationError,
     RateLimited,
     ResultLost,
@@ -43,6 +45,7 @@ from .exceptions import (
     StoreRefused,
     StoreUnavailable,
 )
+from .fence import current_fence, fenced_hset, fenced_update
 from .identity import Identity, time_bucket
 from .limits import OnRateLimit
 from .options import Fallback, OnDuplicate, OnKeyReuse
@@ -74,6 +77,7 @@ __all__ = [
     "DeduplicationUnavailable",
     "DuplicateTaskError",
     "Fallback",
+    "FencingNotSupported",
     "Identity",
     "ImproperlyConfigured",
     "InvalidOptionError",
@@ -83,6 +87,7 @@ __all__ = [
     "Lock",
     "MalformedHeader",
     "MissingDeduplicationKey",
+    "NoFenceError",
     "OnDuplicate",
     "OnKeyReuse",
     "OnRateLimit",
@@ -97,9 +102,12 @@ __all__ = [
     "StoreRefused",
     "StoreUnavailable",
     "UniqueUntil",
+    "current_fence",
     "dedup_fallback",
     "dedup_key_for",
     "enqueue_many",
+    "fenced_hset",
+    "fenced_update",
     "inspect_lock",
     "key_reused",
     "lock_acquired",

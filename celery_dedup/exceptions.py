@@ -52,6 +52,7 @@ __all__ = [
     "DedupKeyError",
     "DeduplicationUnavailable",
     "DuplicateTaskError",
+    "FencingNotSupported",
     "ImproperlyConfigured",
     "InvalidOptionError",
     "KeyReuseError",
@@ -59,6 +60,7 @@ __all__ = [
     "LimitsNotSupported",
     "MalformedHeader",
     "MissingDeduplicationKey",
+    "NoFenceError",
     "RateLimited",
     "ResultLost",
     "ScanNotSupported",
@@ -453,3 +455,41 @@ class LimitsNotSupported(ImproperlyConfigured):
         self.task_name = task_name
         self.option = option
         self.store = store
+
+
+class FencingNotSupported(ImproperlyConfigured):
+    """A task sets ``fence=True`` on a store that cannot issue fencing tokens.
+
+    Raised instead of running unfenced: a fenced write would have nothing to
+    compare. Redis, Redis Cluster and the memory store issue them.
+    """
+
+    def __init__(self, task_name: str, store: str) -> None:
+        message = (
+            f"{task_name}: fence=True needs a lock store that issues fencing tokens in its "
+            f"start claim (redis, rediss, redis cluster, memory); the configured store "
+            f"{store!r} does not"
+        )
+        self._keep(message, task_name, store)
+        self.task_name = task_name
+        self.store = store
+
+
+class NoFenceError(DedupError, LookupError):
+    """``current_fence()`` was asked outside a fenced run.
+
+    Only the body of a task with ``fence=True`` whose start claim admitted
+    it has a fence: not a task without it, not a call with no deduplication
+    key (``unique_for=None``: no lock, no fence), not an eager call
+    (``task.apply()``, ``task_always_eager``), not a run the fallback let
+    through while the store did not answer its start claim, not code
+    outside a task.
+    """
+
+    def __init__(self, reason: str, task_name: str = "") -> None:
+        message = f"no fencing token: {reason}"
+        if task_name:
+            message = f"{task_name}: {message}"
+        self._keep(message, reason, task_name)
+        self.reason = reason
+        self.task_name = task_name

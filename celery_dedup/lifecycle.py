@@ -34,6 +34,9 @@ class TaskConfigLike(Protocol):
     @property
     def unique_for(self) -> float: ...
 
+    @property
+    def fence(self) -> bool: ...
+
     def resolve(self, given: Mapping[str, Any]) -> ResolvedOptions: ...
 
 

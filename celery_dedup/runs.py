@@ -140,7 +140,13 @@ class StoreRuns:
         if holder is not None and holder.owner != run.token:
             done = holder.policy == DONE_POLICY
             return (RunOutcome.DONE if done else RunOutcome.RUNNING), None
-        claim = self.store.claim(run.key, run.owner, release=release, ttl=ttl, meta=meta)
+        if run.fenced:
+            fenced = cast(Any, self.store)  # FencedClaims: checked with the task's options
+            claim = fenced.claim(
+                run.key, run.owner, release=release, ttl=ttl, meta=meta, fence=True
+            )
+        else:
+            claim = self.store.claim(run.key, run.owner, release=release, ttl=ttl, meta=meta)
         return RunOutcome.BEGUN, claim
 
     def end_run(

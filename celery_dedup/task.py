@@ -18,6 +18,7 @@ from celery.utils import uuid
 from . import admission, combinations, envelope, native, rates, worker
 from .admission import Admission
 from .exceptions import (
+    FencingNotSupported,
     InvalidOptionError,
     MissingDeduplicationKey,
 )
@@ -55,6 +56,7 @@ from .policy import KEEPS_ON_FAILURE, UniqueUntil
 from .results import mark_result
 from .runs import DELIVERY_FIELD, INHERITED_FIELD
 from .runtime import Runtime, runtime_for
+from .stores.base import FencedClaims
 
 __all__ = ["DedupTask"]
 
@@ -91,6 +93,7 @@ _ATTRIBUTES: Mapping[str, Callable[[Any, str], Any]] = {
     "cancel_wait": lambda v, o: None if v is None else validate_wait(v, o),
     "cancel_signal": lambda v, o: None if v is None else validate_signal(v, o),
     "retry_window": validate_max_wait,
+    "fence": lambda v, o: None if v is None else validate_bool(v, o),
 }
 
 
@@ -126,6 +129,8 @@ class TaskConfig:
     cancel_signal: str = "SIGUSR1"
     #: ``unique_until="success"``: seconds a failed run's key stays held, or ``None``
     retry_window: float | None = None
+    #: whether each admitted run gets a fencing token (``fence=True``)
+    fence: bool = False
 
     def resolve(self, given: Mapping[str, Any]) -> ResolvedOptions:
         """Apply one call's options (already validated) over the task's."""
@@ -161,6 +166,14 @@ class TaskConfig:
             cancel_signal=self.cancel_signal,
             retry_window=self.retry_window,
         )
+
+
+def _fencing(task_name: str, runtime: Runtime, fence: bool) -> bool:
+    """``fence``, once the store is known to issue fences (else ``FencingNotSupported``)."""
+    store = runtime.store if fence else None
+    if store is not None and not isinstance(store, FencedClaims):
+        raise FencingNotSupported(task_name, str(getattr(store, "name", type(store).__name__)))
+    return fence
 
 
 if TYPE_CHECKING:
@@ -224,6 +237,12 @@ class DedupTask(_Task):
     #: ``unique_for``. ``None`` asks ``dedup_retry_window`` (``None``: a failure
     #: holds it for ``unique_for`` too).
     retry_window: float | timedelta | None = None
+
+    #: Issue each admitted run of a key a fencing token, greater than every
+    #: token of the key before it, in the start claim's round trip:
+    #: ``celery_dedup.current_fence()`` in the body, ``celery_dedup.fence`` to make
+    #: a side effect conditional on it. Redis, Redis Cluster and memory stores.
+    fence: bool | None = None
 
     #: Option names this class uses for something else (the celery-singleton
     #: shim's ``on_duplicate(existing_task_id)`` hook): they are neither
@@ -331,6 +350,7 @@ class DedupTask(_Task):
             cancel_wait=_or(attr("cancel_wait"), settings.cancel_wait, validate_wait),
             cancel_signal=_or(attr("cancel_signal"), settings.cancel_signal, validate_signal),
             retry_window=window,
+            fence=_fencing(self.name, runtime, bool(attr("fence"))),
         )
 
     # -- keys --------------------------------------------------------------

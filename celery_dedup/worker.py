@@ -31,6 +31,7 @@ from kombu.serialization import registry  # type: ignore[attr-defined]
 
 from . import backoff, coalesce, handoff, incarnation, leases, lost_results, requeue, runs
 from .exceptions import MalformedHeader, StoreContention, StoreError, StoreUnavailable
+from .fence import FENCE_FIELD
 from .header import HEADER, MAX_TOKEN, LockHeader, new_token, read_header
 from .identity import bound_queue, deterministic_task_id
 from .lifecycle import DedupTaskLike, Held, Outcome, meta_for
@@ -336,11 +337,15 @@ def _claim(
     guarded = owner.startswith(GUARD_PREFIX)
     release_now = until is UniqueUntil.START
     retake = guarded or until is UniqueUntil.SUCCESS or until is UniqueUntil.FINISH
-    run = _run_of(request, header, owner)
+    fenced = task.dedup_config().fence
+    run = _run_of(request, header, owner, fenced)
     meta = meta_for(task, task_id, until)
     ttl = header.unique_for if retake else None
     try:
-        if run is None:
+        if run is None and fenced:
+            fencing = cast(Any, store)  # FencedClaims: checked with the task's options
+            claim = fencing.claim(key, owner, release=release_now, ttl=ttl, meta=meta, fence=True)
+        elif run is None:
             claim = store.claim(key, owner, release=release_now, ttl=ttl, meta=meta)
         else:
             claim = _claim_run(task, request, store, run, meta, release_now, ttl, args, kwargs)
@@ -356,6 +361,8 @@ def _claim(
         unreadable = StoreUnavailable(f"an unreadable answer ({exc!r})", type(store).__name__)
         return _claim_failed(task, request, header, owner, task_id, args, kwargs, unreadable, run)
     held = Held(store, header, key, owner, task_id, run=run, released=release_now)
+    if claim.fence is not None:
+        setattr(request, FENCE_FIELD, claim.fence)
     if claim.outcome is not ClaimOutcome.OWNED:
         try:
             _not_owned(task, store, header, owner, task_id, claim, retake)
@@ -369,7 +376,7 @@ def _claim(
     return held
 
 
-def _run_of(request: Any, header: LockHeader, owner: str) -> RunRef | None:
+def _run_of(request: Any, header: LockHeader, owner: str, fenced: bool) -> RunRef | None:
     """This copy's run: it has one when its worker gave it a delivery token.
 
     A ``keep_last`` message always has one (its run gate needs an owner):
@@ -382,7 +389,8 @@ def _run_of(request: Any, header: LockHeader, owner: str) -> RunRef | None:
         return None
     inherits = str(getattr(request, runs.INHERITED_FIELD, None) or "")
     token = str(token or new_token())
-    return RunRef(key, owner, runs.attempt_of(request), token, header.last, inherits)
+    attempt = runs.attempt_of(request)
+    return RunRef(key, owner, attempt, token, header.last, inherits, fenced=fenced)
 
 
 def _claim_run(

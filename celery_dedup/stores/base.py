@@ -33,6 +33,7 @@ from ..exceptions import (
 
 __all__ = [
     "DONE_POLICY",
+    "FENCE_TTL",
     "OUTCOME_FIELD",
     "PASS_THROUGH",
     "RECORD_POLICIES",
@@ -45,6 +46,7 @@ __all__ = [
     "CounterSupport",
     "Durability",
     "DurabilityReport",
+    "FencedClaims",
     "GateHandoff",
     "LimitListing",
     "Lock",
@@ -133,6 +135,13 @@ def run_record_key(key: str, owner: str, attempt: str) -> str:
     return f"celery-dedup-run:{digest}"
 
 
+#: Seconds a key's fence counter lives after the last fence it issued. A
+#: fence is never below the store's clock in microseconds, so a counter
+#: that lapsed starts again above every fence it issued (unless the store's
+#: clock went back meanwhile).
+FENCE_TTL = 7 * 86400.0
+
+
 def gate_record_key(key: str) -> str:
     """The store key of ``key``'s run gate: shared by every publish on the key.
 
@@ -162,6 +171,9 @@ class Claim:
     outcome: ClaimOutcome
     #: the other holder, for ``HELD``
     holder: Lock | None = None
+    #: the run's fencing token, for ``OWNED`` and ``FREE`` when asked for
+    #: (``FencedClaims``), else ``None``
+    fence: int | None = None
 
 
 class RevokeOutcome(str, Enum):
@@ -312,6 +324,8 @@ class RunRef:
     #: claim got no answer (it may land later), or ``""``: a lease or gate it
     #: holds passes to this copy, and so to one copy only
     inherits: str = ""
+    #: whether the start claim issues the run a fencing token (``FencedClaims``)
+    fenced: bool = False
 
     @property
     def record(self) -> str:
@@ -423,6 +437,23 @@ class GateHandoff(Protocol):
     ) -> tuple[bool, bytes | None]:
         """``RunRecords.end_run`` in the same round trip, with the payload of the gate's
         waiter when the end opened ``run``'s gate and one was listed (taken out)."""
+
+
+@runtime_checkable
+class FencedClaims(Protocol):
+    """**Protocol:** a store that issues fencing tokens in its start claims.
+
+    Its ``claim`` takes ``fence=True`` and its ``claim_run`` honours
+    ``RunRef.fenced``: an answer of ``OWNED`` or ``FREE`` (the body runs)
+    then carries ``Claim.fence``, taken from the key's fence counter **in
+    the same round trip**: ``max(counter + 1, the store's clock in
+    microseconds)``, written back with ``FENCE_TTL``. Every fence of a key
+    is greater than every fence issued before it, whatever run, copy or
+    publish it went to.
+    """
+
+    def fence_of(self, key: str) -> int | None:
+        """The last fence issued for ``key``, or ``None`` (none, or its counter lapsed)."""
 
 
 @runtime_checkable

@@ -15,7 +15,15 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from .base import RECORD_POLICIES, Claim, ClaimOutcome, Lock, LockMeta, RevokeOutcome
+from .base import (
+    FENCE_TTL,
+    RECORD_POLICIES,
+    Claim,
+    ClaimOutcome,
+    Lock,
+    LockMeta,
+    RevokeOutcome,
+)
 from .memory_limits import MemoryLimits
 
 if TYPE_CHECKING:
@@ -38,6 +46,8 @@ class MemoryStore(MemoryLimits):
         #: (key, owner) → when the revoked marker expires
         self._revoked: dict[tuple[str, str], float] = {}
         self._counts: Counter[tuple[str, str]] = Counter()
+        #: key → (its last fence, when its counter lapses)
+        self._fences: dict[str, tuple[int, float]] = {}
         self._mutex = threading.Lock()
 
     @classmethod
@@ -150,10 +160,32 @@ class MemoryStore(MemoryLimits):
             self._new(key, owner, ttl, meta, now)
             return previous
 
+    def fence_of(self, key: str) -> int | None:
+        """The last fence issued for ``key`` (``FencedClaims``)."""
+        with self._mutex:
+            last = self._fences.get(key)
+            return None if last is None or last[1] <= self.clock() else last[0]
+
+    def _fence(self, key: str, now: float) -> int:
+        """The next fence of ``key``: above its last and the clock in microseconds."""
+        last = self._fences.get(key)
+        previous = last[0] if last is not None and last[1] > now else 0
+        fence = max(previous + 1, int(now * 1_000_000))
+        self._fences[key] = (fence, now + FENCE_TTL)
+        return fence
+
     def claim(
-        self, key: str, owner: str, *, release: bool, ttl: float | None, meta: LockMeta
+        self,
+        key: str,
+        owner: str,
+        *,
+        release: bool,
+        ttl: float | None,
+        meta: LockMeta,
+        fence: bool = False,
     ) -> Claim:
-        """The start check (see ``LockStore.claim``)."""
+        """The start check (see ``LockStore.claim``); with ``fence``, an admitted
+        claim carries the key's next fence (``FencedClaims``)."""
         with self._mutex:
             now = self.clock()
             holder = self._live(key, now)
@@ -167,12 +199,12 @@ class MemoryStore(MemoryLimits):
                     del self._locks[key]
                 else:
                     self._locks[key] = replace(holder, started=True)
-                return Claim(ClaimOutcome.OWNED)
+                return Claim(ClaimOutcome.OWNED, fence=self._fence(key, now) if fence else None)
             if holder is not None:
                 return Claim(ClaimOutcome.HELD, holder)
             if ttl is not None and not release:
                 self._new(key, owner, ttl, {**meta, "started": "1"}, now)
-            return Claim(ClaimOutcome.FREE)
+            return Claim(ClaimOutcome.FREE, fence=self._fence(key, now) if fence else None)
 
     def revoke(self, key: str, owner: str, ttl: float) -> RevokeOutcome:
         """Mark ``owner`` revoked; release its lock unless it started."""

@@ -44,6 +44,7 @@ from ..exceptions import (
 from ..policy import UniqueUntil
 from . import is_result_backend
 from .base import (
+    FENCE_TTL,
     OUTCOME_FIELD,
     Claim,
     ClaimOutcome,
@@ -522,6 +523,50 @@ return 1
 # return its value, or nil
 PEEK = "return redis.call('get', KEYS[1])"
 
+# Fenced claims (``FencedClaims``): CLAIM and CLAIM_RUN that, when the body
+# runs ("owned" or "free"), also answer the key's next fence, taken from its
+# fence counter (a string in the lock's hash slot): above its last fence and
+# above the server's clock in microseconds (a lapsed counter starts again
+# above every fence it issued). The counter lives FENCE_TTL.
+_FENCE = f"""
+local function fence(k)
+    local t = redis.call('time')
+    local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+    local f = math.max(tonumber(redis.call('get', k) or '0') + 1, now)
+    redis.call('set', k, string.format('%.0f', f), 'PX', {int(FENCE_TTL * 1000)})
+    return f
+end
+"""
+
+
+def _fenced(script: str, head: str) -> str:
+    """``script`` (CLAIM or CLAIM_RUN) answering a fence with "owned" and "free"."""
+    body = script[len(_PRELUDE) :]
+    body = body.replace("return {'owned'}", "return {'owned', fence(F)}")
+    body = body.replace("return {'free'}", "return {'free', fence(F)}")
+    return _PRELUDE + _FENCE + head + body
+
+
+# KEYS[1..2] - as CLAIM
+# KEYS[3] - the key's fence counter (same hash slot)
+# ARGV - as CLAIM
+# return as CLAIM; {"owned", <fence>} or {"free", <fence>} when the body runs
+CLAIM_FENCED = _fenced(CLAIM, "local F = KEYS[3]\n")
+
+# KEYS[1..3] - as CLAIM_RUN
+# KEYS[4] - the key's run gate, for a gated run only (same hash slot)
+# KEYS[#KEYS] - the key's fence counter (same hash slot)
+# ARGV - as CLAIM_RUN
+# return as CLAIM_RUN; {"owned", <fence>} or {"free", <fence>} when the body runs
+CLAIM_RUN_FENCED = _fenced(
+    CLAIM_RUN.replace("KEYS[4]", "G"),
+    "local F = KEYS[#KEYS]\nlocal G = #KEYS == 5 and KEYS[4] or nil\n",
+)
+
+# KEYS[1] - the key's fence counter
+# return its value, or nil
+FENCE_OF = "return redis.call('get', KEYS[1])"
+
 _REVOKE_OUTCOMES = {0: RevokeOutcome.NOT_HELD, 1: RevokeOutcome.RELEASED, 2: RevokeOutcome.RUNNING}
 
 #: policy -> its one-letter code in a record (lowercase: task name not stored)
@@ -601,6 +646,14 @@ def classify(
     if isinstance(exc, DRIVER_ERRORS):
         return StoreRefused
     return None
+
+
+def _claim_answer(lock: Any, key: str, raw: Sequence[Any]) -> Claim:
+    """A claim script's answer: the outcome, then the holder (``HELD``) or the fence."""
+    outcome = ClaimOutcome(_text(raw[0]))
+    if outcome is ClaimOutcome.HELD:
+        return Claim(outcome, lock(key, raw[1:]))
+    return Claim(outcome, fence=int(raw[1]) if len(raw) > 1 else None)
 
 
 def _text(value: Any) -> str:
@@ -757,6 +810,8 @@ class RedisStore(RedisLimits):
         self._keep: Script = client.register_script(KEEP)
         self._peek: Script = client.register_script(PEEK)
         self._acquire_rated: Script = client.register_script(ACQUIRE_RATED)
+        self._claim_fenced: Script = client.register_script(CLAIM_FENCED)
+        self._claim_run_fenced: Script = client.register_script(CLAIM_RUN_FENCED)
         #: per-thread connections the scripts run on (None: through the
         #: client's own command path, e.g. a cluster client routing by slot), with
         #: the store's connect and operation timeouts (``DEFAULT_TIMEOUTS``)
@@ -966,9 +1021,17 @@ class RedisStore(RedisLimits):
         return self._lock(key, raw)
 
     def claim(
-        self, key: str, owner: str, *, release: bool, ttl: float | None, meta: LockMeta
+        self,
+        key: str,
+        owner: str,
+        *,
+        release: bool,
+        ttl: float | None,
+        meta: LockMeta,
+        fence: bool = False,
     ) -> Claim:
-        """The worker's start check (one EVALSHA over the lock and its marker)."""
+        """The worker's start check (one EVALSHA over the lock and its marker);
+        with ``fence``, over the key's fence counter too (``FencedClaims``)."""
         mine = _enc(owner)
         take = ttl is not None and not release
         args = [
@@ -978,9 +1041,21 @@ class RedisStore(RedisLimits):
             _pack(key, mine, meta, True) if take else "",
             *(_legacy_fields(key, owner, meta) if take else ()),
         ]
-        raw = self._run(self._claim, [self._k(key), self._marker(key, owner)], args)
-        outcome = ClaimOutcome(_text(raw[0]))
-        return Claim(outcome, self._lock(key, raw[1:]) if outcome is ClaimOutcome.HELD else None)
+        keys = [self._k(key), self._marker(key, owner)]
+        if fence:
+            raw = self._run(self._claim_fenced, [*keys, self._fence_key(key)], args)
+        else:
+            raw = self._run(self._claim, keys, args)
+        return _claim_answer(self._lock, key, raw)
+
+    def _fence_key(self, key: str) -> str:
+        """The key's fence counter: in the lock's hash slot."""
+        return self._marker(key, "", "fence")
+
+    def fence_of(self, key: str) -> int | None:
+        """The last fence issued for ``key`` (one EVALSHA; ``FencedClaims``)."""
+        raw = self._run(self._peek, [self._fence_key(key)], [])
+        return None if raw is None else int(_text(raw))
 
     #: ``claim_run``, ``end_run``, ``abandon_run`` and ``renew_runs`` keep the
     #: run gate of a gated run in the same script (``RunRecords``)
@@ -1018,13 +1093,14 @@ class RedisStore(RedisLimits):
             *(_legacy_fields(key, owner, meta) if take else ()),
         ]
         keys = [self._k(key), self._marker(key, owner), *self._run_keys(run)]
-        raw = self._run(self._claim_run, keys, args)
+        if run.fenced:
+            raw = self._run(self._claim_run_fenced, [*keys, self._fence_key(key)], args)
+        else:
+            raw = self._run(self._claim_run, keys, args)
         answer = _text(raw[0])
         if answer in ("running", "done", "waiting"):
             return RunOutcome(answer), None
-        outcome = ClaimOutcome(answer)
-        holder = self._lock(key, raw[1:]) if outcome is ClaimOutcome.HELD else None
-        return RunOutcome.BEGUN, Claim(outcome, holder)
+        return RunOutcome.BEGUN, _claim_answer(self._lock, key, raw)
 
     def end_run(
         self, run: RunRef, done_ttl: float, meta: LockMeta, *, release: bool | None

@@ -22,7 +22,8 @@ worker:
   under one ``deduplication_key`` never displace each other: both run, the
   body runs once.
 
-Bodies record ``(n, attempt)`` in Redis, and how many bodies of their
+Every job sets ``fence=True``: the runs of one key that took a lock get
+distinct fencing tokens. Bodies record ``(n, attempt)`` in Redis, and how many bodies of their
 concurrency key run at that moment. Every case is launched first, on one
 module-scoped app and thread-pool worker, each under its own user (so its
 own lock, rate and concurrency keys); the fixture then waits until the
@@ -168,6 +169,7 @@ class Lab:
     def _job(self, base: str, policy: str, limit: str) -> Any:
         options: dict[str, Any] = {
             "on_duplicate": policy, "unique_for": 60, "bind": True, "retry_window": RETRY_WINDOW,
+            "fence": True,
         }  # fmt: skip
         if policy == "cancel_running":
             options["cancel_wait"] = 5
@@ -193,6 +195,8 @@ class Lab:
             runs.rpush(f"conc:{name}:{user}", runs.incr(active))
             try:
                 runs.rpush(f"runs:{name}:{user}", json.dumps([n, attempt]))
+                fence = getattr(self.request, "dedup_fence", None)  # None: a run with no lock
+                runs.rpush(f"fences:{name}:{user}", json.dumps([n, fence]))
                 time.sleep(0.05)  # (bodies of one key overlap unless limited)
             finally:
                 runs.decr(active)
@@ -296,6 +300,9 @@ def test_worker_paths_run_each_call_once(lab: Lab, case: Case) -> None:
     raised in a worker, the concurrency limit never exceeded, no lock left behind."""
     assert case.error is None, repr(case.error)
     runs = sorted(lab.recorded(case, "runs"))
+    # fence=True: the runs of one key that took a lock never share a token.
+    fences = [(n, fence) for n, fence in lab.recorded(case, "fences") if fence is not None]
+    assert fences and len(set(fences)) == len(fences), fences
     if case.path == "chain":
         assert runs == [[1, 0], [1, 0], [2, 0]]
         assert case.results[0].get(timeout=1) == 1

@@ -71,6 +71,10 @@ def run_plan(task: Any, recorder: Recorder, n: int, plan: Mapping[str, Any]) -> 
 #: a ``conf`` key (not a Celery setting): ``rel.work``'s class overrides ``__call__``
 CALL_OVERRIDE = "rel_call_override"
 
+#: a ``conf`` key (not a Celery setting): ``rel.work`` sets ``fence=True`` (a store
+#: that issues fencing tokens); each ``start`` event records the run's token
+FENCE = "rel_fence"
+
 
 class _RunsItself(Task):  # type: ignore[type-arg]
     """Flask's documented base task: ``__call__`` runs ``self.run``, never ``super()``."""
@@ -110,6 +114,7 @@ def make_app(conf: Mapping[str, Any], recorder_url: str, *, probes: bool = False
         unique_on=("n",),
         unique_for=30,
         max_retries=5,
+        fence=bool(conf.get(FENCE)),
     )
     def work(self: Any, n: int, plan: dict[str, Any]) -> int:
         return run_plan(self, recorder, n, plan)

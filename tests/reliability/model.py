@@ -118,6 +118,9 @@ class Kind(str, Enum):
     RECEPTIONS = "too many receptions"
     #: a message sent with a malformed header did not run exactly once (``check(malformed=)``)
     MALFORMED = "malformed header mishandled"
+    #: a run's fencing token not greater than that of a run of its key that
+    #: started before this run's start claim began
+    FENCE = "fence not growing"
 
 
 @dataclass(frozen=True)
@@ -194,6 +197,8 @@ class Event:
     pid: int = 0
     #: the ``seq`` of the call whose arguments the body ran with (``start``, ``end``)
     seq: str = ""
+    #: the run's fencing token (``fence=True`` tasks; ``start``, ``end``), else 0
+    fence: int = 0
 
 
 @dataclass(frozen=True)
@@ -831,6 +836,37 @@ class _Checker:
             and any(c.t1 > start.t and c.t0 < later_start.t for c in cancels)
         )
 
+    def check_fences(self) -> None:
+        """Each fenced run's token is greater than that of every run of its key that
+        started (its ``start`` event, after its claim) before this run's claim
+        began (the ``prerun`` before its ``start``): no two runs share a token.
+        """
+        key_of = {h.token: h.key for h in self.holdings}
+        starts: dict[str, list[Event]] = defaultdict(list)
+        preruns: dict[tuple[str, int], list[float]] = defaultdict(list)
+        for event in sorted(self.trace.events, key=lambda e: e.t):
+            if event.kind == "start" and event.fence and event.token in key_of:
+                starts[key_of[event.token]].append(event)
+            elif event.kind == "prerun":
+                preruns[(event.token, event.pid)].append(event.t)
+        for key, runs in starts.items():
+            seen: dict[int, Event] = {}
+            for run in runs:
+                if run.fence in seen:
+                    self.report(Kind.FENCE, key, f"two runs got fence {run.fence}")
+                seen[run.fence] = run
+                own = preruns[(run.token, run.pid)]  # the pool process's own prerun
+                claimed = max((t for t in own if t <= run.t), default=run.t)
+                for earlier in runs:
+                    if earlier.t + self.m < claimed and earlier.fence >= run.fence:
+                        self.report(
+                            Kind.FENCE,
+                            key,
+                            f"{run.seq or run.task_id} got fence {run.fence}, not above "
+                            f"{earlier.fence} of {earlier.seq or earlier.task_id} that "
+                            f"started {claimed - earlier.t:.3f}s before its claim",
+                        )
+
     def check_capped(self) -> None:
         """A capped debounce's burst runs within ``debounce_max_wait`` of its first call.
 
@@ -999,6 +1035,7 @@ def check(
     checker.check_executions()
     checker.check_coalesced()
     checker.check_cancel_overlaps()
+    checker.check_fences()
     checker.check_covered()
     checker.check_capped()
     checker.check_suppressions()

@@ -222,6 +222,7 @@ def body_event(task: Any, recorder: Recorder, kind: str, **fields: Any) -> Event
         t=t,
         retries=int(request.retries or 0),
         pid=os.getpid(),
+        fence=int(getattr(request, "dedup_fence", None) or 0),
         **fields,
     )
     recorder.event(event)

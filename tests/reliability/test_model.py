@@ -529,3 +529,36 @@ def test_a_capped_calls_guessed_token_is_seen_only_during_the_call() -> None:
     assert check(during) == []
     after = replace(during, scans=[scan(3.0, (guess, "A", 10.0))])
     assert kinds(after) == [Kind.LEAK]
+
+
+def fenced(events: list[Event], fence: int) -> list[Event]:
+    """``events`` (a ``run``) with ``fence`` on its body's events."""
+    return [replace(e, fence=fence) if e.kind in ("start", "end") else e for e in events]
+
+
+def test_growing_fences_have_no_finding() -> None:
+    """Each run of the key started after the one before it: greater tokens, nothing to report."""
+    trace = Trace(
+        calls=[published(0.0, "A", "ta"), published(2.0, "B", "tb")],
+        events=[*fenced(run("ta", "A", 1.0), 5), *fenced(run("tb", "B", 2.5), 9)],
+    )
+    assert check(trace) == []
+
+
+@pytest.mark.parametrize("later", [5, 4])
+def test_a_fence_not_above_an_earlier_runs_is_reported(later: int) -> None:
+    """A run whose claim began after another run of its key started needs a greater token."""
+    trace = Trace(
+        calls=[published(0.0, "A", "ta"), published(2.0, "B", "tb")],
+        events=[*fenced(run("ta", "A", 1.0), 5), *fenced(run("tb", "B", 2.5), later)],
+    )
+    assert Kind.FENCE in kinds(trace)
+
+
+def test_runs_claiming_together_may_get_their_tokens_in_either_order() -> None:
+    """Two runs of a key started in the same instant (within the margin): no order is judged."""
+    trace = Trace(
+        calls=[published(0.0, "A", "ta"), published(0.0, "B", "tb", until="start")],
+        events=[*fenced(run("ta", "A", 1.0), 9), *fenced(run("tb", "B", 1.0, pid=2), 5)],
+    )
+    assert Kind.FENCE not in kinds(trace)

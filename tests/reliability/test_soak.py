@@ -26,7 +26,7 @@ from celery.result import AsyncResult
 from celery_dedup.stores import store_from_url
 from tests.fixtures._store_case import StoreCase
 
-from .apps import CALL_OVERRIDE
+from .apps import CALL_OVERRIDE, FENCE
 from .conftest import Backends
 from .model import Holding, Kind, Trace, check, summary, unfinished
 from .probe import Recorder, Scanner, poll, scan_once
@@ -42,6 +42,9 @@ ALL_STORES = [
     pytest.param("store_mysql", marks=pytest.mark.mysql, id="mysql"),
     pytest.param("store_memcached", marks=pytest.mark.memcached, id="memcached"),
 ]
+#: the stores that issue fencing tokens: there ``rel.work`` sets ``fence=True``
+#: and the checker judges every run's token (``check_fences``)
+FENCING_STORES = frozenset({"redis", "store_redis_cluster"})
 #: ``DEDUP_SOAK_STORES`` (comma-separated ids, or ``all``) selects the stores
 #: the soak runs on; CI runs Redis (the races run on every store).
 _CHOSEN = os.environ.get("DEDUP_SOAK_STORES", "redis").split(",")
@@ -105,7 +108,8 @@ def test_soak_finds_no_violation(
     plan = dataclasses.replace(SoakPlan.from_env(), max_countdown=max_countdown)
     # Drawn per run (replayed by the seed): the task's class overrides __call__.
     override = random.Random(f"{plan.seed}:{fault}").random() < 0.5
-    conf = backends.conf(dedup_store=url, **settings, **{CALL_OVERRIDE: override})
+    fence = fixture in FENCING_STORES
+    conf = backends.conf(dedup_store=url, **settings, **{CALL_OVERRIDE: override, FENCE: fence})
     workers.start(conf, count=2, concurrency=2)
     store = store_from_url(url)
     context = multiprocessing.get_context("spawn")
@@ -143,6 +147,8 @@ def test_soak_finds_no_violation(
     assert any(c.max_wait is not None and c.outcome == "published" for c in trace.calls), report
     kinds = Counter(e.kind for e in trace.events)
     assert kinds["start"] > 0 and kinds["skipped"] > 0 and kinds["revoked"] > 0, report
+    if fence:  # every run that started had a token, judged by check_fences
+        assert all(e.fence > 0 for e in trace.events if e.kind == "start"), report
     assert all(k in Kind for k in Kind)
 
 
@@ -197,7 +203,8 @@ def test_soak_under_worker_faults(
     settings, max_receptions = WORKER_FAULTS[fault]
     plan = SoakPlan.from_env()
     override = random.Random(f"{plan.seed}:{fault}").random() < 0.5  # as in the soak
-    conf = backends.conf(dedup_store=url, **settings, **{CALL_OVERRIDE: override})
+    fence = fixture in FENCING_STORES
+    conf = backends.conf(dedup_store=url, **settings, **{CALL_OVERRIDE: override, FENCE: fence})
     pool = workers.start(conf, count=2, concurrency=2)
     store = store_from_url(url)
     context = multiprocessing.get_context("spawn")
