@@ -28,8 +28,9 @@ def test_benchmark_smoke_run(tmp_path: Path) -> None:
     assert trips["duplicate"] == 1
     assert trips["release"] == 1
     assert trips["executed"] <= 2
-    assert trips["acquire_rated"] == 2  # the rate window's count, then the lock
-    assert trips["duplicate_rated"] >= 1
+    # the rate window and the lock in one script (Redis)
+    assert trips["acquire_rated"] == 1
+    assert trips["duplicate_rated"] == 1
     for name in ("acquire", "duplicate", "release"):
         assert results["round_trips"][name]["commands"]["evalsha"] == 1
     assert len(results["targets"]) == 12

@@ -55,6 +55,9 @@ SAMPLES: dict[type[BaseException], Callable[[], BaseException]] = {
     core.LimitsNotSupported: lambda: core.LimitsNotSupported(
         task_name="t.sync", option="concurrency_limit", store="memcached"
     ),
+    core.ResultLost: lambda: core.ResultLost(task_name="t.sync", task_id="id-1", outcome="success"),
+    core.FencingNotSupported: lambda: core.FencingNotSupported(task_name="t.sync", store="sql"),
+    core.NoFenceError: lambda: core.NoFenceError("no lock", task_name="t.sync"),
     core.DeduplicationUnavailable: lambda: core.DeduplicationUnavailable(
         "store down", task_name="t.sync", reason="unavailable"
     ),

@@ -294,7 +294,9 @@ def test_five_deterministic_replaces_run_once(worker: Worker, redis_server: Redi
     wait_until(lambda: lock_of(results[-1]) is None)
     time.sleep(0.5)
     assert runs(redis_server) == ["debounce:v5"]
-    assert worker.text().count("revoked)") == 4  # four visible skips
+    text = worker.text()
+    # four visible skips: each older copy finds its owner revoked, or the key replaced
+    assert text.count("revoked)") + text.count("replaced)") == 4, text
 
 
 def test_deterministic_replace_result_is_the_last_runs(

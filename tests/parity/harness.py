@@ -9,7 +9,7 @@ What is compared:
 
 - **messages**: every task message as kombu hands it to the channel
   (``Producer._publish``, wrapped to observe, never to change): decoded
-  body, headers (``celery_dedup`` excluded), properties, content type and
+  body, headers (``celery_dedup`` and ``dedup_called`` excluded), properties, content type and
   encoding, exchange, routing key, declared queues, publish retry policy;
 - **executions**: what each body saw (task, arguments, retries, delivery
   exchange and routing key), recorded in a Redis list;
@@ -46,6 +46,7 @@ from kombu.messaging import Producer
 from kombu.serialization import loads
 
 from celery_dedup import DedupTask
+from celery_dedup.handoff import CALLED_FIELD
 
 SERIALIZERS = ("json", "pickle", "msgpack", "yaml")
 ROUTES = ("none", "dict", "glob", "function", "queue_objects", "exchange_rk")
@@ -204,6 +205,7 @@ def describe_message(message: Published, prefix: str) -> dict[str, Any]:
     body = message.body
     headers = dict(message.headers)
     headers.pop("celery_dedup", None)
+    headers.pop(CALLED_FIELD, None)  # its call time: a concurrency waiter's place in line
     decoded = _decode(body, headers.get("compression"), message)
     times = {name: _offset(headers.pop(name, None), message.at) for name in _TIMES}
     properties = dict(message.properties)
