@@ -294,9 +294,15 @@ def test_five_deterministic_replaces_run_once(worker: Worker, redis_server: Redi
     wait_until(lambda: lock_of(results[-1]) is None)
     time.sleep(0.5)
     assert runs(redis_server) == ["debounce:v5"]
-    text = worker.text()
-    # four visible skips: each older copy finds its owner revoked, or the key replaced
-    assert text.count("revoked)") + text.count("replaced)") == 4, text
+    # Four visible skips: each older message (they share one id, so the run
+    # records may first defer one as a copy of the running v5) ends skipped.
+    def skips() -> int:
+        text = worker.text()
+        return sum(text.count(f"{reason})") for reason in ("revoked", "replaced", "already ran"))
+
+    wait_until(lambda: skips() >= 4, timeout=30)
+    assert skips() == 4, worker.text()
+    assert runs(redis_server) == ["debounce:v5"]
 
 
 def test_deterministic_replace_result_is_the_last_runs(
