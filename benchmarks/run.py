@@ -284,21 +284,9 @@ def worker_rows(
     """
     results_url = broker_url.rsplit("/", 1)[0] + "/1"
     results = redis.Redis.from_url(results_url)
-    env = {**os.environ, "BENCH_RESULTS": results_url,
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    argv = [sys.executable, "-m", "celery", "-A", "benchmarks.app", "worker", "-P", "prefork",
-            "-c", "2", "-Q", bench.QUEUE, "--without-gossip", "--without-mingle",
-            "--without-heartbeat", "-l", "WARNING"]
     app = bench.app
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+    with bench_worker(bench, 2, {"BENCH_RESULTS": results_url}):
         try:
-            deadline = time.monotonic() + 60
-            while not app.control.ping(timeout=0.5):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    log.seek(0)
-                    raise RuntimeError(f"the worker did not start: {log.read()[-2000:]!r}")
             counter = ServerCounter(store_url)
             first = itertools.count(0, tasks)
 
@@ -350,9 +338,30 @@ def worker_rows(
             assert not left, "locks left"
             counter.client.close()
         finally:
-            stop(proc)
             results.close()
     return rows
+
+
+@contextlib.contextmanager
+def bench_worker(bench: ModuleType, concurrency: int, env: dict[str, str]) -> Iterator[None]:
+    """A prefork worker of the bench app on its queue, ready (pinged), stopped at the end."""
+    env = {**os.environ, **env,
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    argv = [sys.executable, "-m", "celery", "-A", "benchmarks.app", "worker", "-P", "prefork",
+            "-c", str(concurrency), "-Q", bench.QUEUE, "--without-gossip", "--without-mingle",
+            "--without-heartbeat", "-l", "WARNING"]
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            deadline = time.monotonic() + 60
+            while not bench.app.control.ping(timeout=0.5):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    log.seek(0)
+                    raise RuntimeError(f"the worker did not start: {log.read()[-2000:]!r}")
+            yield
+        finally:
+            stop(proc)
 
 
 def handoff_rows(bench: ModuleType, store_url: str, calls: int, seconds: float) -> dict[str, float]:
@@ -366,21 +375,8 @@ def handoff_rows(bench: ModuleType, store_url: str, calls: int, seconds: float) 
     """
     marks = redis.Redis.from_url(store_url)
     marks.delete(bench.SERIAL_STARTED, bench.SERIAL_ENDED)
-    env = {**os.environ,
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    argv = [sys.executable, "-m", "celery", "-A", "benchmarks.app", "worker", "-P", "prefork",
-            "-c", "4", "-Q", bench.QUEUE, "--without-gossip", "--without-mingle",
-            "--without-heartbeat", "-l", "WARNING"]
-    app = bench.app
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+    with bench_worker(bench, 4, {}):
         try:
-            deadline = time.monotonic() + 60
-            while not app.control.ping(timeout=0.5):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    log.seek(0)
-                    raise RuntimeError(f"the worker did not start: {log.read()[-2000:]!r}")
             key = f"handoff-{time.time_ns()}"
             start = time.monotonic()
             bench.serial.delay(key, 0, seconds)
@@ -396,7 +392,6 @@ def handoff_rows(bench: ModuleType, store_url: str, calls: int, seconds: float) 
             wall = time.monotonic() - start
             started = [int(n) for n in marks.lrange(bench.SERIAL_STARTED, 0, -1)]
         finally:
-            stop(proc)
             marks.close()
     return {
         "k_handoff_wall_vs_ideal": wall / (calls * seconds),
