@@ -44,11 +44,14 @@ __all__ = [
     "CAP",
     "FACTOR",
     "FIELD",
+    "LATE",
     "MARGIN",
     "MARGIN_SHARE",
     "ceiling",
+    "copy_life",
     "countdown",
     "deferrals_of",
+    "longest_countdown",
     "mark",
     "within_visibility",
 ]
@@ -66,6 +69,9 @@ CAP: Final = 60.0
 #: the ETA and the acknowledgement of the copy the worker then defers again.
 MARGIN: Final = 0.5
 MARGIN_SHARE: Final = 0.1
+#: Seconds a busy worker (its pool full, its store stalled) may start a due
+#: deferred copy late, at least: ``copy_life`` allows the countdown again, or this.
+LATE: Final = 5.0
 #: Deferral counts above this are read as this (``FACTOR ** 64`` is plenty).
 _MOST: Final = 64
 
@@ -86,6 +92,20 @@ def within_visibility(seconds: float, visibility_timeout: float) -> float:
     """``seconds``, shortened to ``ceiling(visibility_timeout)`` if longer."""
     limit = ceiling(visibility_timeout)
     return seconds if limit is None else min(seconds, limit)
+
+
+def longest_countdown(visibility_timeout: float) -> float:
+    """The longest countdown any deferral has on this broker: ``CAP`` within its ``ceiling``."""
+    return within_visibility(CAP, visibility_timeout)
+
+
+def copy_life(countdown: float) -> float:
+    """How long after it is published a copy due in ``countdown`` seconds may still start.
+
+    The countdown, then as long again (at least ``LATE``) for a worker that
+    starts a due message late.
+    """
+    return countdown + max(countdown, LATE)
 
 
 def countdown(

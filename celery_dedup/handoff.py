@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from kombu.serialization import dumps, loads, prepare_accept_content
 
+from . import backoff
 from .stores.base import SlotWaiter
 
 if TYPE_CHECKING:
@@ -40,9 +41,6 @@ logger = logging.getLogger("celery_dedup")
 
 #: The header with the call's publish time (seconds since the epoch, the producer's clock).
 CALLED_FIELD: Final = "dedup_called"
-#: A waiter's entry outlives its parked copy's countdown by this share of it
-#: (and at least ``_SPARE`` seconds): a busy worker starts a due copy late.
-_SPARE: Final = 5.0
 
 
 def called_at(request: Any) -> float | None:
@@ -83,7 +81,7 @@ def waiter_of(
     raw = written if isinstance(written, bytes) else str(written).encode(encoding or "utf-8")
     payload = f"{content_type};{encoding}\n".encode() + raw
     order = called_at(request) or time.time()
-    life = countdown + max(countdown, _SPARE)
+    life = backoff.copy_life(countdown)  # the entry outlives its parked copy
     return SlotWaiter(str(request.id), order, payload, life)
 
 

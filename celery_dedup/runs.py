@@ -36,6 +36,7 @@ from collections.abc import Collection, Mapping, Sequence
 from functools import partial
 from typing import Any, cast
 
+from . import backoff
 from .stores.base import (
     DONE_POLICY,
     OUTCOME_FIELD,
@@ -331,8 +332,13 @@ def done_ttl_for(
 
     ``dedup_done_ttl`` when set; else ``unique_for`` plus the transport's
     ``visibility_timeout`` (a copy restored after the run comes at most one
-    visibility timeout after it was last seen); never less than the lease.
+    visibility timeout after it was last seen). Never less than the lease,
+    nor than the life of a copy the worker itself parked (``backoff.copy_life``
+    of the longest deferral countdown): a deferred message's parked copy
+    outlives the run of its woken twin (a slot's or a gate's handoff) or of
+    the copy it waited for, and must still find the marker.
     """
+    parked = backoff.copy_life(backoff.longest_countdown(visibility_timeout))
     if given is not None:
-        return max(given, lease)
-    return max(unique_for + visibility_timeout, lease)
+        return max(given, lease, parked)
+    return max(unique_for + visibility_timeout, lease, parked)

@@ -16,7 +16,7 @@ import time
 import pytest
 import redis
 from celery import states
-from celery.signals import task_postrun
+from celery.signals import task_postrun, task_prerun
 
 from celery_dedup import DedupTask, inspect_lock
 from tests.fixtures.redis import RedisServer
@@ -103,6 +103,36 @@ def linger_after_a_deferral(state: str = "", args: object = (), **_: object) -> 
     after publishing its copy: the copy arrives while the original is still active."""
     if state == states.IGNORED and list(args or ()) == [1] and _redis().get("linger"):
         time.sleep(3)
+
+
+@app.task(
+    base=DedupTask,
+    name="last.brief",
+    unique_for=0.5,
+    on_duplicate="keep_last",
+    deduplication_key=lambda x: "account-9",
+)
+def brief(x: int) -> int:
+    """Like ``sync``, with a window shorter than a done marker's default life here."""
+    record(f"start:{x}")
+    hold_until_released(x)
+    record(f"end:{x}")
+    return x
+
+
+@task_prerun.connect
+def start_a_parked_copy_late(task: object = None, args: object = (), **_: object) -> None:
+    """With ``late`` set, the first parked copy of ``brief(1)`` (a deferral: it has an
+    ETA) starts 5 s late, as in a worker whose pool is busy or whose store stalls."""
+    request = getattr(task, "request", None)
+    if (
+        getattr(task, "name", "") == "last.brief"
+        and list(args or ()) == [1]
+        and getattr(request, "eta", None)
+        and _redis().getdel("late")
+    ):
+        record("late:1")
+        time.sleep(5)
 
 
 worker = worker_fixture(
@@ -252,3 +282,31 @@ def test_a_follow_up_waiting_when_the_whole_worker_is_sigkilled_still_runs_once(
     assert logged(redis_server) == ["start:0", "start:1", "end:1"]
     assert first.state != states.SUCCESS
     assert inspect_lock(first.deduplication_key, app=app) is None
+
+
+def test_a_parked_copy_that_starts_late_after_its_woken_twin_ran_is_refused(
+    worker: Worker, redis_server: RedisServer
+) -> None:
+    """A follow-up waits at its key's gate with a parked copy on its way; the gate's
+    opening wakes it and the woken twin runs. The parked copy starts later than
+    ``unique_for`` plus the ``visibility_timeout`` after that run ended: the done marker
+    still refuses it (it outlives any copy the worker parks), so the follow-up runs once."""
+    worker.start()
+    first = brief.delay(0)
+    wait_until(lambda: "start:0" in logged(redis_server), timeout=60)
+    with redis_server.client(RUNS_DB) as client:
+        client.set("late", "1")
+    follow_up = brief.delay(1)
+    assert follow_up.deduplicated is False  # the first call's window has passed
+    wait_until(lambda: "late:1" in logged(redis_server), timeout=60)
+    release_first_run(redis_server)
+    assert first.get(timeout=60) == 0
+    assert follow_up.get(timeout=90) == 1
+    # The late copy's claim: refused (skipped), or, were the marker gone, a second run.
+    wait_until(
+        lambda: "already ran" in worker.text() or logged(redis_server).count("start:1") > 1,
+        timeout=60,
+    )
+    settle()
+    assert logged(redis_server) == ["start:0", "late:1", "end:0", "start:1", "end:1"]
+    assert "woken" in worker.text()
