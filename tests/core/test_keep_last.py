@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from typing import Any
 
 import pytest
 import redis
@@ -63,19 +64,29 @@ def hold_until_released(x: int) -> None:
         time.sleep(0.05)
 
 
-@app.task(
-    base=DedupTask,
-    name="last.sync",
-    unique_for=120,
-    on_duplicate="keep_last",
-    deduplication_key=lambda x: "account-7",
-)
-def sync(x: int) -> int:
-    """Re-sync an account with the state ``x`` (every call carries the newest)."""
-    record(f"start:{x}")
-    hold_until_released(x)
-    record(f"end:{x}")
-    return x
+def account_sync(name: str, account: str, unique_for: float) -> Any:
+    """A ``keep_last`` task re-syncing ``account`` with the state ``x`` (every call
+    carries the newest)."""
+
+    @app.task(
+        base=DedupTask,
+        name=name,
+        unique_for=unique_for,
+        on_duplicate="keep_last",
+        deduplication_key=lambda x: account,
+    )
+    def resync(x: int) -> int:
+        record(f"start:{x}")
+        hold_until_released(x)
+        record(f"end:{x}")
+        return x
+
+    return resync
+
+
+sync = account_sync("last.sync", "account-7", 120)
+#: a window shorter than a done marker's default life here
+brief = account_sync("last.brief", "account-9", 0.5)
 
 
 @app.task(
@@ -103,21 +114,6 @@ def linger_after_a_deferral(state: str = "", args: object = (), **_: object) -> 
     after publishing its copy: the copy arrives while the original is still active."""
     if state == states.IGNORED and list(args or ()) == [1] and _redis().get("linger"):
         time.sleep(3)
-
-
-@app.task(
-    base=DedupTask,
-    name="last.brief",
-    unique_for=0.5,
-    on_duplicate="keep_last",
-    deduplication_key=lambda x: "account-9",
-)
-def brief(x: int) -> int:
-    """Like ``sync``, with a window shorter than a done marker's default life here."""
-    record(f"start:{x}")
-    hold_until_released(x)
-    record(f"end:{x}")
-    return x
 
 
 @task_prerun.connect
@@ -155,6 +151,15 @@ def pids(redis_server: RedisServer, event: str) -> list[int]:
     with redis_server.client(RUNS_DB) as client:
         events = texts(client.lrange("runs", 0, -1))
     return [int(e.rsplit(":", 1)[1]) for e in events if e.rsplit(":", 1)[0] == event]
+
+
+def first_run_then(redis_server: RedisServer, task: Any, flag: str) -> Any:
+    """Call ``task(0)`` (it runs until released), then set ``flag`` once it started."""
+    first = task.delay(0)
+    wait_until(lambda: "start:0" in logged(redis_server), timeout=60)
+    with redis_server.client(RUNS_DB) as client:
+        client.set(flag, "1")
+    return first
 
 
 def release_first_run(redis_server: RedisServer) -> None:
@@ -224,10 +229,7 @@ def test_a_replaced_follow_up_whose_copy_arrives_while_it_is_deferred_ends_revok
     request is still active: the copy is dropped as Celery drops a revoked message (the
     follow-up ends REVOKED), never quietly as if a run of it were live."""
     worker.start()
-    first = sync.delay(0)
-    wait_until(lambda: "start:0" in logged(redis_server), timeout=60)
-    with redis_server.client(RUNS_DB) as client:
-        client.set("linger", "1")
+    first = first_run_then(redis_server, sync, "linger")
     follow_up = sync.delay(1)
     # The replacing call lands while the first deferred copy's countdown runs.
     wait_until(lambda: f"[{follow_up.id}] deferred" in worker.text(), timeout=60, interval=0.01)
@@ -292,10 +294,7 @@ def test_a_parked_copy_that_starts_late_after_its_woken_twin_ran_is_refused(
     ``unique_for`` plus the ``visibility_timeout`` after that run ended: the done marker
     still refuses it (it outlives any copy the worker parks), so the follow-up runs once."""
     worker.start()
-    first = brief.delay(0)
-    wait_until(lambda: "start:0" in logged(redis_server), timeout=60)
-    with redis_server.client(RUNS_DB) as client:
-        client.set("late", "1")
+    first = first_run_then(redis_server, brief, "late")
     follow_up = brief.delay(1)
     assert follow_up.deduplicated is False  # the first call's window has passed
     wait_until(lambda: "late:1" in logged(redis_server), timeout=60)
