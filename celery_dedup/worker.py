@@ -44,6 +44,7 @@ from .stores.base import (
     ClaimOutcome,
     GateHandoff,
     Lock,
+    LockMeta,
     LockStore,
     RunOutcome,
     RunRef,
@@ -710,23 +711,12 @@ def _end_quietly(
     meta = meta_for(task, held.task_id, held.header.until)
     if outcome is not None:
         meta[OUTCOME_FIELD] = outcome.value
-    # A gated run's end hands the gate to the follow-up waiting at it.
-    turns = cast(GateHandoff, held.store) if run.gated and _hands_gates_over(held.store) else None
-    woken: list[bytes] = []
 
     def end() -> bool:
-        if turns is not None:
-            ended, payload = turns.end_run_in_turn(run, done_ttl, meta, release=release)
-            if payload is not None:
-                woken.append(payload)
-            return ended
-        return runs.records_of(held.store).end_run(run, done_ttl, meta, release=release)
+        return _record_end(task, held.store, run, done_ttl, meta, release)
 
     try:
-        ended = end()
-        if woken:
-            handoff.wake(task, woken)  # type: ignore[arg-type]
-        return ended
+        return end()
     except StoreError as exc:
         logger.warning(
             "celery-dedup: could not record the end of %s[%s] (lock %s): %s%s",
@@ -747,6 +737,30 @@ def _end_quietly(
             runtime = task.dedup_config().runtime
             runtime.add_orphan(held.key, held.owner, runtime.settings.revoked_ttl)
         return False
+
+
+def _record_end(
+    task: DedupTaskLike,
+    store: LockStore,
+    run: RunRef,
+    done_ttl: float,
+    meta: LockMeta,
+    release: bool | None,
+) -> bool:
+    """Record the end of ``run`` (``RunRecords.end_run``); a gated run's end hands its
+    gate to the follow-up waiting at it, whose message is published at once.
+
+    Whichever process records the end (the pool child, the main process for
+    a killed child, the lease keeper retrying an end the store did not
+    answer) wakes the follow-up the end took out of the store.
+    """
+    if run.gated and _hands_gates_over(store):
+        turns = cast(GateHandoff, store)
+        ended, payload = turns.end_run_in_turn(run, done_ttl, meta, release=release)
+        if payload is not None:
+            handoff.wake(task, [payload])  # type: ignore[arg-type]
+        return ended
+    return runs.records_of(store).end_run(run, done_ttl, meta, release=release)
 
 
 def _abandon_run(task: DedupTaskLike, store: LockStore, run: RunRef) -> None:
@@ -1078,11 +1092,10 @@ def _end_from_main_process(task: DedupTaskLike, held: Held, lease: float, releas
     """
     run = held.run
     assert run is not None
-    records = runs.records_of(held.store)
     meta = meta_for(task, held.task_id, held.header.until)
     done_ttl = _done_ttl(task, held)
     try:
-        records.end_run(run, done_ttl, meta, release=None)
+        _record_end(task, held.store, run, done_ttl, meta, None)
         return True
     except StoreError as exc:
         logger.warning(
@@ -1095,7 +1108,7 @@ def _end_from_main_process(task: DedupTaskLike, held: Held, lease: float, releas
         )
 
     def end() -> None:
-        records.end_run(run, done_ttl, meta, release=None)
+        _record_end(task, held.store, run, done_ttl, meta, None)
         if releases:
             held.store.release(held.key, held.owner)
 

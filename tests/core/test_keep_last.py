@@ -309,3 +309,23 @@ def test_a_parked_copy_that_starts_late_after_its_woken_twin_ran_is_refused(
     settle()
     assert logged(redis_server) == ["start:0", "late:1", "end:0", "start:1", "end:1"]
     assert "woken" in worker.text()
+
+
+def test_a_follow_up_waiting_when_the_run_it_follows_is_sigkilled_is_woken_by_the_main_process(
+    worker: Worker, redis_server: RedisServer
+) -> None:
+    """The run holding the gate dies with its pool child while a follow-up is listed at
+    the gate: the worker's main process records the killed run's end, and that end, as a
+    body's would, hands the gate to the follow-up (publishes it at once). It runs once."""
+    worker.start()
+    first = sync.delay(0)
+    wait_until(lambda: "start:0" in logged(redis_server), timeout=60)
+    follow_up = sync.delay(1)
+    wait_until(lambda: f"[{follow_up.id}] deferred" in worker.text(), timeout=60)
+    os.kill(pids(redis_server, "start:0")[0], signal.SIGKILL)
+    assert follow_up.get(timeout=90) == 1
+    assert f"INFO/MainProcess] celery-dedup: last.sync[{follow_up.id}] woken" in worker.text()
+    assert first.state == states.FAILURE
+    settle()
+    assert logged(redis_server) == ["start:0", "start:1", "end:1"]
+    assert inspect_lock(follow_up.deduplication_key, app=app) is None
