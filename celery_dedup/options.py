@@ -270,7 +270,7 @@ SETTINGS: Final[Mapping[str, tuple[Any, Callable[[Any, str], Any]]]] = {
     # process every third of it; a crashed run's copy waits at most this long.
     "dedup_lease_ttl": (60, validate_positive_seconds),
     # How long a completed run's done marker refuses its late copies; None:
-    # unique_for plus the transport's visibility_timeout (at least the lease).
+    # unique_for plus the transport's visibility_timeout (``runs.done_ttl_for``).
     "dedup_done_ttl": (None, validate_unique_for),
     # Settings-lint warnings (celery_dedup.lint) nobody wants to hear again.
     "dedup_silenced_warnings": ((), validate_lint_ids),

@@ -213,7 +213,9 @@ SETTINGS: Final[tuple[Setting, ...]] = (
             "seconds a completed run's done marker refuses late copies of its message; "
             "`None`: `unique_for` plus the broker's `visibility_timeout` (kombu's one hour on "
             "Redis and SQS unless `broker_transport_options` says otherwise; 0 on brokers "
-            "that do not redeliver on a timer), at least the lease"),
+            "that do not redeliver on a timer); never less than the lease nor than the "
+            "life of a copy the worker parked (the longest deferral countdown, 60 s or "
+            "within the `visibility_timeout`, plus as long again, at least 5 s)"),
     Setting("dedup_silenced_warnings", "`()`",
             "[settings-lint](lint.md) ids not to report for any task (`[\"W101\"]`; "
             '`"celery_dedup.W101"` works too); a task\'s own `dedup_silenced=("W101",)` '

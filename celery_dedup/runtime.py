@@ -74,6 +74,9 @@ WATCHED_SETTINGS = (
     "dedup_cancel_signal",
     "dedup_retry_window",
     "broker_transport_options",
+    # Read by Celery on each publish (``task_routes`` and a bound task's
+    # serializer are not: Celery keeps them from the first use on).
+    "task_default_queue",
     "task_send_sent_event",
     "worker_send_task_events",
     "result_backend",

@@ -193,3 +193,20 @@ def test_settings_changed_after_first_use_take_effect() -> None:
         ]
     finally:
         app.close()
+
+
+def test_task_default_queue_changed_after_first_use_routes_the_next_call() -> None:
+    """``task_default_queue`` changed after the first call routes the next call, as it
+    routes Celery's own publish (read on each one): another queue, another call."""
+    app = make_app("memory://", None, "memory://first")
+    try:
+        task = app.tasks[SYNC]
+        first = task.delay(1)
+        app.conf.task_default_queue = "elsewhere"
+        second = task.delay(1)
+        assert second.deduplicated is False
+        assert task.routed_queue({}, (1,), {}) == "elsewhere"
+        assert first.deduplication_key != second.deduplication_key
+        assert task.delay(1).deduplicated is True  # the new queue's lock holds
+    finally:
+        app.close()
