@@ -46,6 +46,7 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from itertools import pairwise
 
+from celery_dedup import backoff
 from celery_dedup.coalesce import WAIT
 from celery_dedup.debounce import token_start
 
@@ -308,6 +309,24 @@ GATE_WAIT = "deferred: the previous run of its key"
 COPY_REASONS: tuple[str, ...] = ("already ran", "deferred")
 
 
+def gate_waits(events: Sequence[Event]) -> list[tuple[float, float]]:
+    """When a ``keep_last`` message waited for its key's run gate, each with the longest
+    countdown that deferral may have drawn.
+
+    The countdown doubles with each deferral of the attempt (``backoff``, from
+    ``coalesce.WAIT`` at most); the deferrals its copies logged before it
+    bound how many its header counted.
+    """
+    waits: list[tuple[float, float]] = []
+    deferred = 0
+    for e in events:
+        if e.kind == "skipped" and e.outcome.startswith("deferred"):
+            if e.outcome.startswith(GATE_WAIT):
+                waits.append((e.t, min(backoff.CAP, WAIT * backoff.FACTOR**deferred)))
+            deferred += 1
+    return waits
+
+
 def without_copies(events: list[Event]) -> list[Event]:
     """A message's events without those of its redelivered copies.
 
@@ -350,11 +369,9 @@ class _Checker:
             by_token[event.token].append(event)
         #: when each ``keep_last`` message waited for its key's run gate (a
         #: deferral ``without_copies`` drops, but one that extends the lock)
-        self.gate_waits: dict[str, list[float]] = {
-            token: [
-                e.t for e in events if e.kind == "skipped" and e.outcome.startswith(GATE_WAIT)
-            ]
-            for token, events in by_token.items()
+        #: with the longest countdown that deferral may have drawn (``gate_wait``)
+        self.gate_waits: dict[str, list[tuple[float, float]]] = {
+            token: gate_waits(events) for token, events in by_token.items()
         }
         for token, events in by_token.items():
             by_token[token] = without_copies(events)
@@ -457,8 +474,8 @@ class _Checker:
                     latest = max(latest, failed.t + call.retry_window + self.ttl_slack)
         if call.keep_last:
             # A follow-up waiting for the run gate keeps its lock alive meanwhile.
-            for waited in self.gate_waits.get(h.token, []):
-                latest = max(latest, waited + WAIT + call.unique_for + self.ttl_slack)
+            for waited, countdown in self.gate_waits.get(h.token, []):
+                latest = max(latest, waited + countdown + call.unique_for + self.ttl_slack)
         return latest
 
     def _released_by(self, h: Holding) -> float:

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from celery_dedup.coalesce import WAIT
 from celery_dedup.debounce import owner_token
 
 from .model import Call, Event, Kind, Revoke, Scan, Seen, Trace, check, holdings
@@ -168,6 +169,21 @@ def test_a_follow_up_waiting_for_the_run_gate_keeps_its_lock_alive() -> None:
     assert check(Trace(calls=[call], events=events, scans=[seen])) == []
     plain = replace(call, keep_last=False)
     assert kinds(Trace(calls=[plain], events=events, scans=[seen])) == [Kind.LEAK]
+
+
+def test_a_gate_deferral_extends_the_lock_by_its_doubled_countdown() -> None:
+    """The third gate deferral of an attempt may wait four first steps (the backoff
+    doubles): the lock it extends that far is no leak; one step further is."""
+    call = published(
+        0.0, "B", "tb", until="expiry", unique_for=1.0, replace=True, keep_last=True
+    )
+    reason = "deferred: the previous run of its key is in progress"
+    waits = [Event("skipped", "tb", "B", t, outcome=reason, pid=2) for t in (0.5, 1.0, 2.0)]
+    events = [*waits, *run("tb", "B", 8.0)]
+    within = scan(2.5, ("tb", "B", 2.0 + 4 * WAIT + 1.0))
+    assert check(Trace(calls=[call], events=events, scans=[within])) == []
+    beyond = scan(2.5, ("tb", "B", 2.0 + 5 * WAIT + 1.0 + 0.5))
+    assert kinds(Trace(calls=[call], events=events, scans=[beyond])) == [Kind.LEAK]
 
 
 def test_a_suppression_after_the_release_is_stale() -> None:
