@@ -10,6 +10,11 @@ from .rate_entries import new_entry, task_id_of
 
 __all__ = ["MemoryLimits"]
 
+#: A waiter: its place, its expiry, its payload and the limit it waits under.
+_Waiting = tuple[float, float, bytes, int]
+#: How many of a key's oldest waiters a dispatch looks at (as the scripts do).
+_SCAN = 64
+
 
 class MemoryLimits:
     """``SlotSupport``, ``SlotHandoff`` and ``RateSupport`` in dicts (a mixin of ``MemoryStore``).
@@ -59,9 +64,9 @@ class MemoryLimits:
             return self._slots.get(key, {}).pop(holder, None) is not None
 
     @property
-    def _waits(self) -> dict[str, dict[str, tuple[float, float, bytes]]]:
-        """Per key: waiter id -> (place, expiry, payload)."""
-        found: dict[str, dict[str, tuple[float, float, bytes]]] | None = self.__dict__.get(
+    def _waits(self) -> dict[str, dict[str, _Waiting]]:
+        """Per key: waiter id -> (place, expiry, payload, the limit it waits under)."""
+        found: dict[str, dict[str, _Waiting]] | None = self.__dict__.get(
             "_wait_table"
         )
         if found is None:
@@ -78,10 +83,10 @@ class MemoryLimits:
 
     def _live_turns(
         self, key: str, now: float
-    ) -> tuple[dict[str, float], dict[str, tuple[float, float, bytes]], dict[str, float]]:
+    ) -> tuple[dict[str, float], dict[str, _Waiting], dict[str, float]]:
         holders = self._live_slots(key, now)
         waiters = self._waits.setdefault(key, {})
-        for name, (_, expiry, _) in list(waiters.items()):
+        for name, (_, expiry, _, _) in list(waiters.items()):
             if expiry <= now:
                 del waiters[name]
         reserved = self._reserved.setdefault(key, {})
@@ -109,7 +114,8 @@ class MemoryLimits:
                 taken = True
             elif not taken and waiter is not None:
                 place = waiters[waiter.id][0] if waiter.id in waiters else waiter.order
-                waiters[waiter.id] = (place, now + waiter.life, waiter.payload)
+                # The limit it was called under: a slot goes to it only below it.
+                waiters[waiter.id] = (place, now + waiter.life, waiter.payload, limit)
             if taken:
                 holders[holder] = now + ttl
                 if me is not None:
@@ -140,12 +146,20 @@ class MemoryLimits:
         taken: bool,
         ttl: float,
     ) -> tuple[tuple[bytes, ...], bool]:
-        """Reserve the free slots for the oldest waiters (``me`` takes its own)."""
+        """Reserve free slots for the oldest waiters (``me`` takes its own).
+
+        A waiter is served only while fewer slots are in use than the limit
+        it waits under (``limit`` for a waiter listed without one); one that
+        finds its limit reached keeps its place and the next is looked at.
+        """
         holders, waiters, reserved = self._live_turns(key, now)
-        free = limit - len(holders) - len(reserved)
-        queue = sorted(waiters.items(), key=lambda item: (item[1][0], item[0]))[: max(free, 0)]
+        used = len(holders) + len(reserved)
+        queue = sorted(waiters.items(), key=lambda item: (item[1][0], item[0]))[:_SCAN]
         woken = []
-        for name, (_, _, payload) in queue:
+        for name, (_, _, payload, own) in queue:
+            if used >= (own or limit):
+                continue
+            used += 1
             del waiters[name]
             if name == me and not taken:
                 holders[holder] = now + ttl

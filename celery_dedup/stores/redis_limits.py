@@ -51,11 +51,14 @@ return {1, n + 1}
 
 # The handoff (SlotHandoff): beside the slot key K, in its hash slot,
 # W (sorted set waiter id -> place), E (sorted set waiter id -> expiry ms),
-# P (hash waiter id -> payload) and R (sorted set waiter id -> reservation
-# expiry ms; each one a slot in use).
-# KEYS[1..5] - K, W, E, P, R
+# P (hash waiter id -> payload), R (sorted set waiter id -> reservation
+# expiry ms; each one a slot in use) and L (sorted set waiter id -> the
+# limit it was called under: a slot goes to a waiter only while fewer than
+# its own limit are in use; a waiter without one, listed by an older
+# version, waits under ARGV[2]).
+# KEYS[1..6] - K, W, E, P, R, L
 # ARGV[1] - the holder
-# ARGV[2] - the number of slots
+# ARGV[2] - the number of slots (the caller's limit)
 # ARGV[3] - the lease in milliseconds ("" : give the holder's slot back)
 # ARGV[4] - the waiter id ("" : none)
 # ARGV[5] - the waiter's place
@@ -66,7 +69,7 @@ return {1, n + 1}
 TURN_SLOT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local K, W, E, P, R = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local K, W, E, P, R, L = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local limit = tonumber(ARGV[2])
 local grace = tonumber(ARGV[8])
 local me = ARGV[4]
@@ -79,6 +82,7 @@ local function unlist(name)
   redis.call('ZREM', W, name)
   redis.call('ZREM', E, name)
   redis.call('HDEL', P, name)
+  redis.call('ZREM', L, name)
 end
 redis.call('ZREMRANGEBYSCORE', K, '-inf', now)
 redis.call('ZREMRANGEBYSCORE', R, '-inf', now)
@@ -98,9 +102,11 @@ else
     redis.call('ZADD', W, 'NX', ARGV[5], me)
     redis.call('ZADD', E, now + tonumber(ARGV[6]), me)
     redis.call('HSET', P, me, ARGV[7])
+    redis.call('ZADD', L, limit, me)
     longer(W, tonumber(ARGV[6]))
     longer(E, tonumber(ARGV[6]))
     longer(P, tonumber(ARGV[6]))
+    longer(L, tonumber(ARGV[6]))
   end
   if taken then
     redis.call('ZADD', K, now + ttl, ARGV[1])
@@ -109,21 +115,34 @@ else
     end
   end
 end
-local free = limit - redis.call('ZCARD', K) - redis.call('ZCARD', R)
+-- The dispatch: the oldest waiters (at most 64 looked at), each while
+-- fewer slots are in use than its own limit; one whose limit is reached
+-- keeps its place. None is looked at when even the highest limit is reached.
+local used = redis.call('ZCARD', K) + redis.call('ZCARD', R)
+local highest = limit
+local top = redis.call('ZREVRANGE', L, 0, 0, 'WITHSCORES')
+if top[2] and tonumber(top[2]) > highest then
+  highest = tonumber(top[2])
+end
 local woken = {}
-if free > 0 then
-  for _, name in ipairs(redis.call('ZRANGE', W, 0, free - 1)) do
-    if name == me and not taken then
-      redis.call('ZADD', K, now + ttl, ARGV[1])
-      taken = true
-    else
-      local payload = redis.call('HGET', P, name)
-      if payload then
-        redis.call('ZADD', R, now + grace, name)
-        table.insert(woken, payload)
+if used < highest then
+  for _, name in ipairs(redis.call('ZRANGE', W, 0, 63)) do
+    local own = tonumber(redis.call('ZSCORE', L, name)) or limit
+    if used < own then
+      if name == me and not taken then
+        redis.call('ZADD', K, now + ttl, ARGV[1])
+        taken = true
+        used = used + 1
+      else
+        local payload = redis.call('HGET', P, name)
+        if payload then
+          redis.call('ZADD', R, now + grace, name)
+          table.insert(woken, payload)
+          used = used + 1
+        end
       end
+      unlist(name)
     end
-    unlist(name)
   end
   if #woken > 0 then
     longer(R, grace)
@@ -281,7 +300,8 @@ class RedisLimits:
 
     def _turn_keys(self, key: str) -> list[str]:
         """The slot key and its wait list's keys (all in the slot key's hash slot)."""
-        return [self._k(key)] + [self._marker(key, "", kind) for kind in ("w", "e", "p", "r")]
+        kinds = ("w", "e", "p", "r", "l")
+        return [self._k(key)] + [self._marker(key, "", kind) for kind in kinds]
 
     def take_slot_in_turn(
         self,

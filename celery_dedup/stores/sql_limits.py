@@ -13,7 +13,7 @@ deleted by the call that finds the reap interval passed.
 The handoff (``SlotHandoff``) keeps a key's wait list and reservations in
 a table of its own (``celery_dedup_sql_slot_wait``: rows of workers that
 predate it keep working, the holders stay where they were) and runs in one
-server-side function (``celery_dedup_slot_turn_v1``, created with that
+server-side function (``celery_dedup_slot_turn_v2``, created with that
 table): one round trip, a transaction that locks the key's slot row, then
 its wait row, and writes both.
 
@@ -55,7 +55,7 @@ RATE_TABLE = "celery_dedup_sql_rate"
 SLOT_WAIT_TABLE = "celery_dedup_sql_slot_wait"
 #: The handoff's function; a new version gets a new name (workers of both
 #: versions may run side by side).
-TURN_FUNCTION = "celery_dedup_slot_turn_v1"
+TURN_FUNCTION = "celery_dedup_slot_turn_v2"
 
 #: One row per concurrency key: its holders and their lease expiries (JSON).
 slot_table = Table(
@@ -69,7 +69,8 @@ slot_table = Table(
 )
 
 #: One row per concurrency key with waiters: its wait list (waiter id ->
-#: [place, expiry, payload in base64]) and reservations (waiter id -> expiry), JSON.
+#: [place, expiry, payload in base64, the limit it waits under]) and
+#: reservations (waiter id -> expiry), JSON.
 slot_wait_table = Table(
     SLOT_WAIT_TABLE,
     metadata,
@@ -213,7 +214,7 @@ DECLARE
   v_holders jsonb;
   v_waiters jsonb;
   v_reserved jsonb;
-  v_free integer;
+  v_used integer;
   v_next record;
 BEGIN
   woken := ARRAY[]::text[];
@@ -241,7 +242,8 @@ BEGIN
       taken := true;
     ELSIF NOT taken AND p_me IS NOT NULL THEN
       v_waiters := v_waiters || jsonb_build_object(p_me, jsonb_build_array(
-        coalesce(v_waiters -> p_me -> 0, to_jsonb(p_place)), v_now + p_life, p_payload));
+        coalesce(v_waiters -> p_me -> 0, to_jsonb(p_place)), v_now + p_life, p_payload,
+        p_limit));
     END IF;
     IF taken THEN
       v_holders := v_holders || jsonb_build_object(p_holder, v_now + p_ttl);
@@ -250,13 +252,20 @@ BEGIN
       END IF;
     END IF;
   END IF;
-  v_free := p_limit - (SELECT count(*) FROM jsonb_object_keys(v_holders))
-    - (SELECT count(*) FROM jsonb_object_keys(v_reserved));
-  IF v_free > 0 THEN
+  -- The dispatch: the oldest waiters (at most 64 looked at), each while
+  -- fewer slots are in use than the limit it waits under (p_limit for one
+  -- listed by v1); one whose limit is reached keeps its place.
+  v_used := (SELECT count(*) FROM jsonb_object_keys(v_holders))
+    + (SELECT count(*) FROM jsonb_object_keys(v_reserved));
+  IF v_used < greatest(p_limit, coalesce((SELECT max(CAST(e.v ->> 3 AS integer))
+      FROM jsonb_each(v_waiters) AS e(k, v)), 0)) THEN
     FOR v_next IN
-      SELECT e.k, e.v ->> 2 AS payload FROM jsonb_each(v_waiters) AS e(k, v)
-      ORDER BY CAST(e.v ->> 0 AS double precision), e.k LIMIT v_free
+      SELECT e.k, e.v ->> 2 AS payload, coalesce(CAST(e.v ->> 3 AS integer), p_limit) AS lim
+      FROM jsonb_each(v_waiters) AS e(k, v)
+      ORDER BY CAST(e.v ->> 0 AS double precision), e.k LIMIT 64
     LOOP
+      CONTINUE WHEN v_used >= v_next.lim;
+      v_used := v_used + 1;
       v_waiters := v_waiters - v_next.k;
       IF v_next.k = p_me AND NOT taken THEN
         v_holders := v_holders || jsonb_build_object(p_holder, v_now + p_ttl);
