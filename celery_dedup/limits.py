@@ -443,6 +443,15 @@ def _fixed(spec: T | LimitCallable | None) -> T | None:
     return None if spec is None or callable(spec) else spec
 
 
+def _slot_limit(limits: Limits | None, recorded: int | None) -> int | None:
+    """The limit a key's listing shows: the task's, or for a callable the one its
+    newest slot was taken under."""
+    if limits is None:
+        return None
+    fixed = _fixed(limits.concurrency)
+    return fixed if fixed is not None else recorded
+
+
 def _own_limits(tasks: Mapping[str, Any], name: str) -> Limits | None:
     task = tasks.get(name)
     if task is None or not hasattr(task, "dedup_config"):
@@ -473,13 +482,16 @@ def live_keys(
             "task": name,
             "digest": hashed,
             "in_use": slot.in_use,
-            "limit": _fixed(None if limits is None else limits.concurrency),
+            "limit": _slot_limit(limits, slot.limit),
         })
     rates = []
     for window in store.list_rates(f"{prefix}-rate:{scope}"):
         name, hashed = _split(window.key, "rate")
         limits = _own_limits(tasks, name)
         rate = _fixed(None if limits is None else limits.rate)
+        if rate is None and limits is not None and window.rate is not None:
+            # A callable's rate: the one the newest publish was admitted under.
+            rate = Rate(*window.rate)
         ages = [age for age in window.ages if rate is None or age < rate.period]
         if not ages:
             continue

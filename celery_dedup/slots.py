@@ -25,7 +25,7 @@ from .lifecycle import Outcome
 from .limits import concurrency_for, concurrency_store_key, key_text, limits_of, slots_of
 from .options import Fallback
 from .runs import record_life
-from .stores.base import RunRecords, SlotHandoff, SlotSupport
+from .stores.base import RunRecords, SlotHandoff, SlotSupport, slot_holder
 
 if TYPE_CHECKING:
     from .task import DedupTask
@@ -171,6 +171,8 @@ def enter(task: DedupTask, request: Any, args: Any, kwargs: Any) -> Slot | None:
         )
         # The limit the key has for this call, evaluated with the key.
         limit = concurrency_for(task, limits, args, kwargs)
+        # The holder records it (what ``celery dedup limits`` shows).
+        holder = slot_holder(str(request.id), os.urandom(8).hex(), limit)
     except Exception:
         # The task fails without its body (a template the arguments cannot
         # fill, a key or limit callable that raised or answered badly): its
@@ -180,7 +182,6 @@ def enter(task: DedupTask, request: Any, args: Any, kwargs: Any) -> Slot | None:
     key = concurrency_store_key(runtime.settings.key_prefix, task.name, text)
     lease = runtime.settings.lease_ttl
     ttl = record_life(lease)
-    holder = f"{request.id}:{os.urandom(8).hex()}"
     # The deferral backoff grows from the limit's own first step.
     base = limits.backoff if limits.backoff is not None else lease / 3.0
     turns = store if isinstance(store, SlotHandoff) else None

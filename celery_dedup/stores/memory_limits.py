@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 
-from .base import RateAnswer, RateWindow, SlotTurn, SlotUsage, SlotWaiter
-from .rate_entries import new_entry, task_id_of
+from .base import RateAnswer, RateWindow, SlotTurn, SlotUsage, SlotWaiter, slot_limit_of
+from .rate_entries import new_entry, own_period, rate_of, task_id_of
 
 __all__ = ["MemoryLimits"]
 
@@ -202,11 +202,12 @@ class MemoryLimits:
         """Every slot key under ``prefix`` with a live lease."""
         with self._mutex:
             now = self.clock()
-            found = [
-                SlotUsage(key, len(self._live_slots(key, now)))
-                for key in sorted(self._slots)
-                if key.startswith(prefix)
-            ]
+            found = []
+            for key in sorted(self._slots):
+                if key.startswith(prefix):
+                    holders = self._live_slots(key, now)
+                    newest = max(holders, key=lambda h: holders[h], default="")
+                    found.append(SlotUsage(key, len(holders), slot_limit_of(newest)))
         return [usage for usage in found if usage.in_use]
 
     def list_rates(self, prefix: str) -> list[RateWindow]:
@@ -218,7 +219,8 @@ class MemoryLimits:
                 newest = sorted(self._rates[key].items(), key=lambda item: -item[1])
                 if key.startswith(prefix) and newest:
                     ages = tuple(now - at for _, at in newest)
-                    found.append(RateWindow(key, ages, task_id_of(newest[0][0])))
+                    name = newest[0][0]
+                    found.append(RateWindow(key, ages, task_id_of(name), rate_of(name)))
         return found
 
     def _hit(
@@ -227,9 +229,13 @@ class MemoryLimits:
         now = self.clock()
         window = self._rates.setdefault(key, {})
         for name, at in list(window.items()):
-            if at <= now - period:
+            # Kept while its own period lasts, even past this call's (rate_entries).
+            if at <= now - max(period, own_period(name)):
                 del window[name]
-        ordered = sorted(window.items(), key=lambda item: item[1])
+        ordered = sorted(
+            ((name, at) for name, at in window.items() if at > now - period),
+            key=lambda item: item[1],
+        )
         last = task_id_of(ordered[-1][0]) if ordered else ""
         at = now
         if len(ordered) >= limit:
@@ -237,7 +243,7 @@ class MemoryLimits:
         if delay is None or (at > now and not delay):
             return RateAnswer(False, at - now, len(ordered), last)
         # One entry per publish: calls sharing a task id count apart.
-        entry = new_entry(member)
+        entry = new_entry(member, limit, period)
         window[entry] = at
         return RateAnswer(True, at - now, len(ordered) + 1, member, entry)
 

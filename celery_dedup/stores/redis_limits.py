@@ -19,8 +19,8 @@ from typing import Any
 import redis
 from redis.commands.core import Script
 
-from .base import RateAnswer, RateWindow, SlotTurn, SlotUsage, SlotWaiter
-from .rate_entries import new_entry, task_id_of
+from .base import RateAnswer, RateWindow, SlotTurn, SlotUsage, SlotWaiter, slot_limit_of
+from .rate_entries import WINDOW_TRIM, new_entry, rate_of, task_id_of
 
 __all__ = ["RedisLimits", "rate_answer"]
 
@@ -191,25 +191,26 @@ return redis.call('ZCOUNT', KEYS[1], '(' .. now, '+inf')
 """
 
 # KEYS[1] - the rate key (sorted set publish -> admission time in ms)
-# ARGV[1] - the member (the publish's task id and a nonce: unique per publish)
+# ARGV[1] - the member (the publish's task id, a nonce: unique per publish, and
+#           the rate it is admitted under: ``rate_entries``)
 # ARGV[2] - the limit (publishes per period)
 # ARGV[3] - the period in milliseconds
 # ARGV[4] - "1": admit at the earliest free place; "0": refuse a full window;
 #           "": count nothing (read the window)
 # return {admitted 1/0, wait in ms, count after the call, last member or ""}
-HIT_RATE = """
+HIT_RATE = WINDOW_TRIM + """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local limit = tonumber(ARGV[2])
 local period = tonumber(ARGV[3])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - period)
-local n = redis.call('ZCARD', KEYS[1])
+local kept = trim(KEYS[1], now, period)
+local n = redis.call('ZCARD', KEYS[1]) - kept
 local newest = redis.call('ZRANGE', KEYS[1], -1, -1)
 local last = newest[1] or ''
 local at = now
 if n >= limit then
   -- the window ending at `at` must drop the (n - limit + 1)th newest entry
-  local blocker = redis.call('ZRANGE', KEYS[1], n - limit, n - limit, 'WITHSCORES')
+  local blocker = redis.call('ZRANGE', KEYS[1], kept + n - limit, kept + n - limit, 'WITHSCORES')
   at = math.max(now, tonumber(blocker[2]) + period)
 end
 if ARGV[4] == '' or (at > now and ARGV[4] ~= '1') then
@@ -356,7 +357,7 @@ class RedisLimits:
         self, key: str, member: str, limit: int, period: float, *, delay: bool
     ) -> RateAnswer:
         """Count the publish in the sliding window, or refuse it (one EVALSHA)."""
-        entry = new_entry(member)
+        entry = new_entry(member, limit, period)
         args = [entry, limit, _ms(period), "1" if delay else "0"]
         answer = rate_answer(self._run(self._limit_scripts["rate"], [self._k(key)], args))
         return replace(answer, entry=entry) if answer.admitted else answer
@@ -375,14 +376,18 @@ class RedisLimits:
         for key, now, entries in self._read_keys(prefix):
             live = sum(1 for _, expiry in entries if expiry > now)
             if live:
-                found.append(SlotUsage(key, live))
+                # (newest first: the most recently taken or renewed lease)
+                found.append(SlotUsage(key, live, slot_limit_of(entries[0][0])))
         return found
 
     def list_rates(self, prefix: str) -> list[RateWindow]:
         """Every rate key under ``prefix`` with entries (SCAN, then pipelined reads)."""
         return [
             RateWindow(
-                key, tuple((now - at) / 1000.0 for _, at in entries), task_id_of(entries[0][0])
+                key,
+                tuple((now - at) / 1000.0 for _, at in entries),
+                task_id_of(entries[0][0]),
+                rate_of(entries[0][0]),
             )
             for key, now, entries in self._read_keys(prefix)
             if entries

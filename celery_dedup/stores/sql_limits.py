@@ -34,8 +34,8 @@ from sqlalchemy import DDL, Column, Double, Table, Text, event, text
 from sqlalchemy.exc import DBAPIError
 
 from ..exceptions import LimitsNotSupported
-from .base import RateAnswer, RateWindow, SlotTurn, SlotUsage, SlotWaiter
-from .rate_entries import new_entry, task_id_of
+from .base import RateAnswer, RateWindow, SlotTurn, SlotUsage, SlotWaiter, slot_limit_of
+from .rate_entries import new_entry, rate_of, task_id_of
 from .sql_dialects import KEY_LENGTH, _varchar, metadata
 
 __all__ = [
@@ -134,7 +134,15 @@ WHERE key = :key
 
 READ_SLOTS = text(f"SELECT holders, {_NOW} AS now FROM {SLOT_TABLE} WHERE key = :key")
 
-# The window: entries newer than now - period, in time order. A new entry
+# The period a window entry was admitted under, in seconds (0: not recorded),
+# from its member's ``~<limit>/<period ms>`` suffix (``rate_entries``).
+_OWN_PERIOD = (
+    "coalesce(CAST(substring(e ->> 1 from '#[0-9a-f]{16}~[0-9]+/([0-9]+)$') "
+    "AS DOUBLE PRECISION) / 1000.0, 0)"
+)
+
+# The window: entries newer than now - period, in time order; older ones
+# stay while their own period lasts (``rate_entries``). A new entry
 # goes at now when fewer than `limit` are in it, else at the time the
 # (n - limit + 1)th newest leaves it plus nothing earlier than now; it is
 # written when that is now, or always under `delay`.
@@ -144,10 +152,12 @@ VALUES (:key, jsonb_build_array(jsonb_build_array({_NOW}, CAST(:member AS text))
         {_NOW} + :period)
 ON CONFLICT (key) DO UPDATE SET
   entries = (
-    WITH live AS (
+    WITH kept AS (
       SELECT CAST(e ->> 0 AS DOUBLE PRECISION) AS at, e ->> 1 AS m, ord
       FROM jsonb_array_elements(CAST(r.entries AS jsonb)) WITH ORDINALITY AS t(e, ord)
-      WHERE CAST(e ->> 0 AS DOUBLE PRECISION) > {_NOW} - :period
+      WHERE CAST(e ->> 0 AS DOUBLE PRECISION) > {_NOW} - greatest(:period, {_OWN_PERIOD})
+    ), live AS (
+      SELECT at, m, ord FROM kept WHERE at > {_NOW} - :period
     ), n AS (
       SELECT count(*) AS c FROM live
     ), place AS (
@@ -163,7 +173,7 @@ ON CONFLICT (key) DO UPDATE SET
     )
     SELECT coalesce(jsonb_agg(x ORDER BY CAST(x ->> 0 AS DOUBLE PRECISION)), '[]'::jsonb)::text
     FROM (
-      SELECT jsonb_build_array(at, m) AS x FROM live
+      SELECT jsonb_build_array(at, m) AS x FROM kept
       UNION ALL
       SELECT jsonb_build_array(place.at, CAST(:member AS text)) FROM place
       WHERE place.at <= {_NOW} OR :delay
@@ -446,13 +456,16 @@ class SQLLimits:
         self, key: str, member: str, limit: int, period: float, *, delay: bool
     ) -> RateAnswer:
         """Count the publish in the sliding window, or refuse it (one upsert)."""
-        entry = new_entry(member)
+        entry = new_entry(member, limit, period)
         params = {
             "key": key, "member": entry, "limit": limit, "period": float(period), "delay": delay
         }
         row = self._limits(HIT_RATE, params, key).one()
-        entries = [(float(at), str(m)) for at, m in json.loads(row.entries)]
         now = float(row.now)
+        # (Older entries stay while their own, longer, period lasts: not this window's.)
+        entries = [
+            (float(at), str(m)) for at, m in json.loads(row.entries) if float(at) > now - period
+        ]
         mine = [at for at, m in entries if m == entry]
         if mine:
             return RateAnswer(True, max(0.0, mine[0] - now), len(entries), member, entry)
@@ -477,9 +490,10 @@ class SQLLimits:
         found = []
         for row in self._limits(LIST_SLOTS, {"pattern": _like(prefix)}, prefix):
             now = float(row.now)
-            live = sum(1 for expiry in json.loads(row.holders).values() if float(expiry) > now)
-            if live:
-                found.append(SlotUsage(str(row.key), live))
+            holders = {h: float(e) for h, e in json.loads(row.holders).items() if float(e) > now}
+            if holders:
+                newest = max(holders, key=lambda h: holders[h])
+                found.append(SlotUsage(str(row.key), len(holders), slot_limit_of(newest)))
         return found
 
     def list_rates(self, prefix: str) -> list[RateWindow]:
@@ -492,7 +506,10 @@ class SQLLimits:
             )
             if entries:
                 ages = tuple(now - at for at, _ in entries)
-                found.append(RateWindow(str(row.key), ages, task_id_of(entries[0][1])))
+                newest = entries[0][1]
+                found.append(
+                    RateWindow(str(row.key), ages, task_id_of(newest), rate_of(newest))
+                )
         return found
 
     def forget_rate(self, key: str, member: str) -> bool:

@@ -13,13 +13,13 @@ import threading
 from typing import Any
 
 import pytest
-from celery import states
+from celery import Celery, states
 
 from celery_dedup import DedupTask, InvalidOptionError, RateLimited
-from celery_dedup.limits import concurrency_store_key
+from celery_dedup.limits import concurrency_store_key, live_keys
 from celery_dedup.runtime import runtime_for
 from celery_dedup.signals import task_skipped
-from celery_dedup.stores.base import SlotSupport
+from celery_dedup.stores.base import SlotSupport, slot_holder
 from tests.fixtures.redis import RedisServer
 
 from .conftest import AppFactory, wait_until
@@ -260,3 +260,32 @@ def test_per_tier_rates_and_a_rate_change(
     text = str(caught.value)
     assert "rates.send" in text and "rate_limit_per_key" in text and "'often'" in text, text
     assert marks.llen("rates:ran:acme") == 3
+
+
+def test_the_listing_shows_a_callable_limit_from_its_records() -> None:
+    """``celery dedup limits`` (``live_keys``): a callable's limit is the one the key's
+    newest slot or publish was admitted under, as the store recorded it."""
+    app = Celery("listing", set_as_current=False)
+    app.conf.update(
+        broker_url="memory://", result_backend=None, dedup_store="memory://listing",
+        task_default_queue="listing",
+    )  # fmt: skip
+
+    @app.task(
+        base=DedupTask, shared=False, name="listing.job", concurrency_limit=_tier,
+        concurrency_key="{customer}", rate_limit_per_key=lambda customer, n: "7/m",
+        rate_key="{customer}",
+    )  # fmt: skip
+    def job(customer: str, n: int) -> int:
+        return n
+
+    assert job.delay("vip-1", 1).deduplicated is False
+    store = runtime_for(app).store
+    assert isinstance(store, SlotSupport)
+    key = concurrency_store_key("celery-dedup", job.name, "vip-1")
+    assert store.take_slot(key, slot_holder("id-1", "00", 3), 3, 30)[0]
+    found = live_keys(store, "celery-dedup", app.tasks)
+    assert [row["limit"] for row in found["concurrency"]] == [3]
+    assert [(row["limit"], row["period"], row["count"]) for row in found["rate"]] == [
+        (7, 60.0, 1)
+    ]
