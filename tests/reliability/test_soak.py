@@ -148,6 +148,8 @@ def test_soak_finds_no_violation(
     assert outcomes["published"] > plan.calls // 10 and outcomes["deduplicated"] > 0, report
     assert outcomes["raised"] > 0 and len(trace.revokes) > 0, report
     assert any(c.keep_last and c.outcome == "published" for c in trace.calls), report
+    # On a store keeping limits, runs under the limit their call drew (``check_slots``).
+    assert any(e.kind == "start" and e.slots for e in trace.events) is slots, report
     # cancel_running terminated running bodies; capped debounces published.
     assert any(c.cancel and c.outcome == "published" for c in trace.calls), report
     assert any(e.kind == "end" and e.outcome == "interrupted" for e in trace.events), report
