@@ -2,7 +2,10 @@
 
 Two task options, each with a key of its own (a ``str.format`` template over
 the call's bound arguments such as ``"{user}"``, a callable taking the
-call's arguments, or by default the deduplication key):
+call's arguments, or by default the deduplication key). Each limit is a
+value or a callable of the call's arguments returning one (a customer's
+tier), evaluated with the key, once per call (``concurrency_for``,
+``rate_for``):
 
 * ``concurrency_limit=N`` (``concurrency_key=``): at most ``N`` bodies with
   the same key run at once across every worker. A message over the limit
@@ -35,7 +38,7 @@ import string
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from .exceptions import InvalidOptionError, LimitsNotSupported
 from .identity import digest
@@ -51,11 +54,13 @@ __all__ = [
     "Limits",
     "OnRateLimit",
     "Rate",
+    "concurrency_for",
     "concurrency_store_key",
     "key_text",
     "limits_of",
     "live_keys",
     "parse_rate",
+    "rate_for",
     "rate_store_key",
     "rates_of",
     "slots_of",
@@ -72,6 +77,8 @@ LIMIT_OPTIONS: Final = (
     "rate_key",
     "on_rate_limit",
 )
+
+T = TypeVar("T")
 
 _PERIODS: Final[Mapping[str, float]] = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _RATE = re.compile(r"^\s*(\d+)\s*/\s*([smhd])\s*$")
@@ -99,24 +106,61 @@ class Rate:
     period: float
 
 
+_RATE_TEXT: Final = "a string 'N/s', 'N/m', 'N/h' or 'N/d' with N >= 1"
+
+
 def parse_rate(value: Any, option: str = "rate_limit_per_key") -> Rate | None:
     """``"10/m"`` as a ``Rate`` (``None`` stays ``None``); anything else is refused."""
     if value is None:
         return None
+    rate = _rate_or_none(value)
+    if rate is None:
+        raise InvalidOptionError(option, value, f"{_RATE_TEXT} (or None)")
+    return rate
+
+
+def _rate_or_none(value: Any) -> Rate | None:
     match = _RATE.match(value) if isinstance(value, str) else None
     if match is None or int(match.group(1)) < 1:
-        raise InvalidOptionError(
-            option, value, "a string 'N/s', 'N/m', 'N/h' or 'N/d' with N >= 1 (or None)"
-        )
+        return None
     return Rate(int(match.group(1)), _PERIODS[match.group(2)])
 
 
 def _positive_int(value: Any, option: str) -> int | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidOptionError(option, value, "an int >= 1 (or None)")
-    return value
+    if not _is_positive_int(value):
+        raise InvalidOptionError(option, value, "an int >= 1, a callable (or None)")
+    return int(value)
+
+
+def _is_positive_int(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= 1
+
+
+#: a limit option given as a callable of the call's arguments
+LimitCallable = Callable[..., Any]
+
+
+def _concurrency_spec(value: Any) -> int | LimitCallable | None:
+    if callable(value) and not isinstance(value, type):
+        spec: LimitCallable = value
+        return spec
+    return _positive_int(value, "concurrency_limit")
+
+
+def _rate_spec(value: Any) -> Rate | LimitCallable | None:
+    if callable(value) and not isinstance(value, type):
+        spec: LimitCallable = value
+        return spec
+    if value is None:
+        return None
+    rate = _rate_or_none(value)
+    if rate is None:
+        raise InvalidOptionError(
+            "rate_limit_per_key", value, f"{_RATE_TEXT}, a callable (or None)"
+        )
+    return rate
 
 
 def _backoff(value: Any, option: str) -> float | None:
@@ -135,10 +179,12 @@ KeySpec = str | Callable[..., Any] | None
 class Limits:
     """A task's limits, validated once."""
 
-    concurrency: int | None
+    #: the limit, or a callable of the call's arguments returning it (``concurrency_for``)
+    concurrency: int | LimitCallable | None
     concurrency_key: KeySpec
     backoff: float | None
-    rate: Rate | None
+    #: the rate, or a callable of the call's arguments returning one (``rate_for``)
+    rate: Rate | LimitCallable | None
     rate_key: KeySpec
     on_rate_limit: OnRateLimit
     signature: inspect.Signature
@@ -179,8 +225,8 @@ def _build(task: DedupTask) -> Limits | None:
     def attr(name: str) -> Any:
         return getattr(task, name, None)
 
-    concurrency = _positive_int(attr("concurrency_limit"), "concurrency_limit")
-    rate = parse_rate(attr("rate_limit_per_key"))
+    concurrency = _concurrency_spec(attr("concurrency_limit"))
+    rate = _rate_spec(attr("rate_limit_per_key"))
     if concurrency is None and rate is None:
         return None
     signature = inspect.signature(task.run)
@@ -227,6 +273,47 @@ def key_text(
     except (AttributeError, KeyError, IndexError, TypeError, ValueError) as exc:
         allowed = f"a template this call's arguments fill (here: {type(exc).__name__}: {exc})"
         raise InvalidOptionError(option, spec, allowed, task.name) from exc
+
+
+def concurrency_for(
+    task: DedupTask, limits: Limits, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None
+) -> int:
+    """The ``concurrency_limit`` of one call (its callable's answer, checked).
+
+    Evaluated where the call's ``concurrency_key`` is (the worker, before
+    the body): a limit that changes between calls applies to the next call.
+    """
+    spec = limits.concurrency
+    assert spec is not None
+    if not callable(spec):
+        return spec
+    value = spec(*(args or ()), **(kwargs or {}))
+    if not _is_positive_int(value):
+        raise InvalidOptionError(
+            "concurrency_limit", value, "the callable to return an int >= 1", task.name
+        )
+    return int(value)
+
+
+def rate_for(
+    task: DedupTask, limits: Limits, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None
+) -> Rate:
+    """The ``rate_limit_per_key`` of one call (its callable's answer, parsed and checked).
+
+    Evaluated where the call's ``rate_key`` is (``apply_async``, before the
+    window is counted).
+    """
+    spec = limits.rate
+    assert spec is not None
+    if not callable(spec):
+        return spec
+    value = spec(*(args or ()), **(kwargs or {}))
+    rate = _rate_or_none(value)
+    if rate is None:
+        raise InvalidOptionError(
+            "rate_limit_per_key", value, f"the callable to return {_RATE_TEXT}", task.name
+        )
+    return rate
 
 
 class _ArgumentFormatter(string.Formatter):
@@ -286,7 +373,9 @@ def usage(task: DedupTask, text: str) -> dict[str, Any]:
 
     ``text`` is what the task's key yields for a call: the value of its
     ``concurrency_key``/``rate_key`` template or callable, or the lock key
-    when the key is the deduplication key. One round trip per limit.
+    when the key is the deduplication key. One round trip per limit. A
+    limit given as a callable is the call's, not the key's: it shows as
+    ``None`` (and a callable rate's window counts every entry the key keeps).
     """
     limits = limits_of(task)
     if limits is None:
@@ -297,17 +386,18 @@ def usage(task: DedupTask, text: str) -> dict[str, Any]:
     if limits.concurrency is not None:
         slots = slots_of(task, runtime.store)
         found["concurrency"] = {
-            "limit": limits.concurrency,
+            "limit": None if callable(limits.concurrency) else limits.concurrency,
             "in_use": slots.slots_in_use(concurrency_store_key(prefix, task.name, text)),
         }
     if limits.rate is not None:
         rates = rates_of(task, runtime.store)
-        answer = rates.rate_window(
-            rate_store_key(prefix, task.name, text), limits.rate.limit, limits.rate.period
-        )
+        # A callable's rate is the call's: read the window over the longest period.
+        rate = limits.rate if isinstance(limits.rate, Rate) else None
+        limit, period = (rate.limit, rate.period) if rate else (1 << 30, _PERIODS["d"])
+        answer = rates.rate_window(rate_store_key(prefix, task.name, text), limit, period)
         found["rate"] = {
-            "limit": limits.rate.limit,
-            "period": limits.rate.period,
+            "limit": None if rate is None else rate.limit,
+            "period": None if rate is None else rate.period,
             "count": answer.count,
             "free_in": answer.wait,
             "last_task_id": answer.last,
@@ -322,13 +412,17 @@ def usage_lines(found: Mapping[str, Any]) -> list[str]:
         return [*lines, "  no concurrency_limit or rate_limit_per_key"]
     if "concurrency" in found:
         slots = found["concurrency"]
-        lines.append(f"  concurrency  {slots['in_use']} of {slots['limit']} slots in use")
+        limit = "a per-call limit" if slots["limit"] is None else slots["limit"]
+        lines.append(f"  concurrency  {slots['in_use']} of {limit} slots in use")
     if "rate" in found:
         rate = found["rate"]
-        line = (
-            f"  rate         {rate['count']} of {rate['limit']} publishes "
-            f"in the last {rate['period']:g}s"
-        )
+        if rate["limit"] is None:
+            line = f"  rate         {rate['count']} publishes in the window (a per-call rate)"
+        else:
+            line = (
+                f"  rate         {rate['count']} of {rate['limit']} publishes "
+                f"in the last {rate['period']:g}s"
+            )
         if rate["free_in"]:
             line += f", next free in {rate['free_in']:.1f}s"
         lines.append(line)
@@ -342,6 +436,20 @@ def _split(store_key: str, kind: str) -> tuple[str, str]:
     rest = store_key.split(f"-{kind}:", 1)[-1]
     task_name, _, hashed = rest.rpartition(":")
     return task_name, hashed
+
+
+def _fixed(spec: T | LimitCallable | None) -> T | None:
+    """A limit given as a value; ``None`` for a callable's (each call has its own)."""
+    return None if spec is None or callable(spec) else spec
+
+
+def _slot_limit(limits: Limits | None, recorded: int | None) -> int | None:
+    """The limit a key's listing shows: the task's, or for a callable the one its
+    newest slot was taken under."""
+    if limits is None:
+        return None
+    fixed = _fixed(limits.concurrency)
+    return fixed if fixed is not None else recorded
 
 
 def _own_limits(tasks: Mapping[str, Any], name: str) -> Limits | None:
@@ -374,13 +482,16 @@ def live_keys(
             "task": name,
             "digest": hashed,
             "in_use": slot.in_use,
-            "limit": None if limits is None else limits.concurrency,
+            "limit": _slot_limit(limits, slot.limit),
         })
     rates = []
     for window in store.list_rates(f"{prefix}-rate:{scope}"):
         name, hashed = _split(window.key, "rate")
         limits = _own_limits(tasks, name)
-        rate = None if limits is None else limits.rate
+        rate = _fixed(None if limits is None else limits.rate)
+        if rate is None and limits is not None and window.rate is not None:
+            # A callable's rate: the one the newest publish was admitted under.
+            rate = Rate(*window.rate)
         ages = [age for age in window.ages if rate is None or age < rate.period]
         if not ages:
             continue

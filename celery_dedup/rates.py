@@ -16,7 +16,15 @@ from typing import TYPE_CHECKING, Any
 
 from . import events
 from .exceptions import LimitsNotSupported, RateLimited, StoreError
-from .limits import OnRateLimit, Rate, key_text, limits_of, rate_store_key, rates_of
+from .limits import (
+    OnRateLimit,
+    Rate,
+    key_text,
+    limits_of,
+    rate_for,
+    rate_store_key,
+    rates_of,
+)
 from .stores.base import LockStore, RateAnswer, RateRelease, RateSupport
 
 if TYPE_CHECKING:
@@ -34,7 +42,9 @@ def window_of(
 
     ``None`` for a task without ``rate_limit_per_key``. Pure but for its
     errors: a store that cannot count (``LimitsNotSupported``), a
-    ``rate_key`` the call cannot fill (``KeyError``).
+    ``rate_key`` the call cannot fill (``KeyError``), a rate callable that
+    answers no rate (``InvalidOptionError``). The rate is the call's own
+    (a callable's answer for these arguments), evaluated with the key.
     """
     limits = limits_of(task)
     if limits is None or limits.rate is None:
@@ -43,8 +53,9 @@ def window_of(
         raise LimitsNotSupported(task.name, "rate_limit_per_key", "none")
     rates = rates_of(task, store)
     text = key_text(task, limits, limits.rate_key, "rate_key", args, kwargs, key)
+    rate = rate_for(task, limits, args, kwargs)
     rate_key = rate_store_key(task.dedup_config().runtime.settings.key_prefix, task.name, text)
-    return rates, rate_key, limits.rate, limits.on_rate_limit is OnRateLimit.DELAY
+    return rates, rate_key, rate, limits.on_rate_limit is OnRateLimit.DELAY
 
 
 def hit(

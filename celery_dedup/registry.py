@@ -121,7 +121,8 @@ OPTIONS: Final[tuple[Option, ...]] = (
     Option("dedup_silenced", False, True,
            'a sequence of [settings-lint](lint.md) ids (`("W101",)`)',
            "do not report these lint findings for this task"),
-    Option("concurrency_limit", False, True, "an `int` >= 1 or `None`",
+    Option("concurrency_limit", False, True,
+           "an `int` >= 1, a callable of the call's arguments returning one, or `None`",
            "at most this many bodies of one `concurrency_key` run at once across every "
            "worker; a message over it is deferred. See [Per-key limits](limits.md)"),
     Option("concurrency_key", False, True,
@@ -135,7 +136,8 @@ OPTIONS: Final[tuple[Option, ...]] = (
            "`None`: a third of `dedup_lease_ttl`, jittered",
            requires=("concurrency_limit", "")),
     Option("rate_limit_per_key", False, True,
-           '`"N/s"`, `"N/m"`, `"N/h"`, `"N/d"` (N >= 1) or `None`',
+           '`"N/s"`, `"N/m"`, `"N/h"`, `"N/d"` (N >= 1), a callable of the call\'s '
+           "arguments returning one, or `None`",
            "at most N publishes of one `rate_key` per sliding period. See "
            "[Per-key limits](limits.md)"),
     Option("rate_key", False, True,

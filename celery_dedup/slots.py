@@ -22,10 +22,10 @@ from . import handoff
 from .exceptions import LimitsNotSupported, StoreError
 from .header import LockHeader
 from .lifecycle import Outcome
-from .limits import concurrency_store_key, key_text, limits_of, slots_of
+from .limits import concurrency_for, concurrency_store_key, key_text, limits_of, slots_of
 from .options import Fallback
 from .runs import record_life
-from .stores.base import RunRecords, SlotHandoff, SlotSupport
+from .stores.base import RunRecords, SlotHandoff, SlotSupport, slot_holder
 
 if TYPE_CHECKING:
     from .task import DedupTask
@@ -44,7 +44,8 @@ class Slot:
     holder: str
     #: the slot's lease record life (``runs.record_life`` of the lease)
     ttl: float
-    #: the key's ``concurrency_limit``: taking the slot back after a stall obeys it
+    #: the ``concurrency_limit`` the slot was taken under (a callable's answer for
+    #: this call): taking the slot back after a stall obeys it
     limit: int = 1
     #: the body's task when the store hands freed slots over (``handoff``): giving
     #: the slot back wakes the key's oldest waiters, their reservations lasting ``grace``
@@ -168,28 +169,34 @@ def enter(task: DedupTask, request: Any, args: Any, kwargs: Any) -> Slot | None:
             kwargs,
             _default_key(task, request, header, args, kwargs),
         )
+        # The limit the key has for this call, evaluated with the key.
+        limit = concurrency_for(task, limits, args, kwargs)
+        # The holder records it (what ``celery dedup limits`` shows).
+        holder = slot_holder(str(request.id), os.urandom(8).hex(), limit)
     except Exception:
         # The task fails without its body (a template the arguments cannot
-        # fill, a key callable that raised): its lock follows the policy.
+        # fill, a key or limit callable that raised or answered badly): its
+        # lock follows the policy.
         worker.end_unclaimed(task, request, Outcome.FAILURE)
         raise
     key = concurrency_store_key(runtime.settings.key_prefix, task.name, text)
     lease = runtime.settings.lease_ttl
     ttl = record_life(lease)
-    holder = f"{request.id}:{os.urandom(8).hex()}"
     # The deferral backoff grows from the limit's own first step.
     base = limits.backoff if limits.backoff is not None else lease / 3.0
     turns = store if isinstance(store, SlotHandoff) else None
     countdown: float | None = None
     try:
         if turns is None:
-            taken, in_use = store.take_slot(key, holder, limits.concurrency, ttl)
+            taken, in_use = store.take_slot(key, holder, limit, ttl)
         else:
             countdown = worker.deferral_countdown(task, request, base)
             waiter = None
             if _may_wait(runtime.store, header):
                 waiter = handoff.waiter_of(task, request, args, kwargs, countdown)
-            turn = turns.take_slot_in_turn(key, holder, limits.concurrency, ttl, waiter, base)
+            # The store lists the waiter with this limit: a slot is handed to
+            # it only while fewer than ``limit`` are in use.
+            turn = turns.take_slot_in_turn(key, holder, limit, ttl, waiter, base)
             taken, in_use = turn.taken, turn.in_use
             handoff.wake(task, turn.woken)
     except LimitsNotSupported as exc:  # a store of a kind that keeps none (a SQL dialect)
@@ -207,12 +214,12 @@ def enter(task: DedupTask, request: Any, args: Any, kwargs: Any) -> Slot | None:
             args,
             kwargs,
             key,
-            f"concurrency limit {limits.concurrency} reached ({in_use} running)",
+            f"concurrency limit {limit} reached ({in_use} running)",
             base,
             countdown=countdown,
         )
     woke = task if turns is not None else None
-    slot = Slot(store, key, holder, ttl, limits.concurrency, woke, base)
+    slot = Slot(store, key, holder, ttl, limit, woke, base)
     _keeper.add(slot)
     return slot
 

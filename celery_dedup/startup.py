@@ -45,7 +45,7 @@ from .app_urls import broker_url, result_backend
 from .events import warn_if_events_off
 from .exceptions import InvalidOptionError
 from .identity import lock_key
-from .limits import Limits, OnRateLimit, limits_of
+from .limits import Limits, OnRateLimit, Rate, limits_of
 from .lint import Finding, TaskFacts, app_facts, lint_config, lint_server, task_facts
 from .options import DedupConfigWarning
 from .registry import TASK_NAMES
@@ -287,17 +287,28 @@ def _key_words(spec: Any) -> str:
     return f"per {getattr(spec, '__name__', 'callable')}()"
 
 
+def _limit_words(spec: Any) -> str:
+    if callable(spec):
+        return f"{getattr(spec, '__name__', 'callable')}()"
+    return str(spec)
+
+
 def limits_in_words(limits: Limits | None) -> str:
     """A task's ``concurrency_limit``/``rate_limit_per_key`` as ``check`` shows them."""
     if limits is None:
         return ""
     words = []
     if limits.concurrency is not None:
-        words.append(f"concurrency {limits.concurrency} {_key_words(limits.concurrency_key)}")
+        value = _limit_words(limits.concurrency)
+        words.append(f"concurrency {value} {_key_words(limits.concurrency_key)}")
     if limits.rate is not None:
-        period = {1.0: "s", 60.0: "m", 3600.0: "h", 86400.0: "d"}[limits.rate.period]
+        if isinstance(limits.rate, Rate):
+            period = {1.0: "s", 60.0: "m", 3600.0: "h", 86400.0: "d"}[limits.rate.period]
+            value = f"{limits.rate.limit}/{period}"
+        else:
+            value = _limit_words(limits.rate)
         delay = ", delay" if limits.on_rate_limit is OnRateLimit.DELAY else ""
-        words.append(f"rate {limits.rate.limit}/{period} {_key_words(limits.rate_key)}{delay}")
+        words.append(f"rate {value} {_key_words(limits.rate_key)}{delay}")
     return "; ".join(words)
 
 

@@ -99,7 +99,13 @@ _ATTRIBUTES: Mapping[str, Callable[[Any, str], Any]] = {
 
 #: Task options that may be functions of the call's arguments: Celery keeps
 #: task options as class attributes, so each is kept as a ``staticmethod``.
-_CALLABLE_ATTRIBUTES = ("deduplication_key", "concurrency_key", "rate_key")
+_CALLABLE_ATTRIBUTES = (
+    "deduplication_key",
+    "concurrency_key",
+    "rate_key",
+    "concurrency_limit",
+    "rate_limit_per_key",
+)
 
 
 @dataclass(frozen=True)

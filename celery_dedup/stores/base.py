@@ -78,6 +78,8 @@ __all__ = [
     "revoking_take_over",
     "run_record_key",
     "server_answer",
+    "slot_holder",
+    "slot_limit_of",
     "store_error",
     "store_errors",
     "translate",
@@ -837,6 +839,21 @@ class SlotUsage:
     key: str
     #: how many live leases it has
     in_use: int
+    #: the ``concurrency_limit`` the newest live lease was taken under (its
+    #: holder's ``~<limit>`` suffix: ``slot_limit_of``; ``None``: not recorded)
+    limit: int | None = None
+
+
+def slot_holder(run_id: str, nonce: str, limit: int) -> str:
+    """A slot's holder: the run's id, a nonce (a holder is one delivery), and the
+    ``concurrency_limit`` the slot is taken under (shown by the listings)."""
+    return f"{run_id}:{nonce}~{limit}"
+
+
+def slot_limit_of(holder: str) -> int | None:
+    """The limit a holder's slot was taken under (``None``: a holder of an earlier version)."""
+    _, sep, limit = holder.rpartition("~")
+    return int(limit) if sep and limit.isdigit() else None
 
 
 @dataclass(frozen=True)
@@ -850,6 +867,9 @@ class RateWindow:
     ages: tuple[float, ...]
     #: the task id of the newest entry ("" when none)
     last: str = ""
+    #: ``(limit, period in seconds)`` the newest entry was admitted under
+    #: (``None``: an entry of an earlier version, which does not record it)
+    rate: tuple[int, float] | None = None
 
 
 @runtime_checkable

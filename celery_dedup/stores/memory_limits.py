@@ -5,10 +5,15 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 
-from .base import RateAnswer, RateWindow, SlotTurn, SlotUsage, SlotWaiter
-from .rate_entries import new_entry, task_id_of
+from .base import RateAnswer, RateWindow, SlotTurn, SlotUsage, SlotWaiter, slot_limit_of
+from .rate_entries import new_entry, own_period, rate_of, task_id_of
 
 __all__ = ["MemoryLimits"]
+
+#: A waiter: its place, its expiry, its payload and the limit it waits under.
+_Waiting = tuple[float, float, bytes, int]
+#: How many of a key's oldest waiters a dispatch looks at (as the scripts do).
+_SCAN = 64
 
 
 class MemoryLimits:
@@ -59,9 +64,9 @@ class MemoryLimits:
             return self._slots.get(key, {}).pop(holder, None) is not None
 
     @property
-    def _waits(self) -> dict[str, dict[str, tuple[float, float, bytes]]]:
-        """Per key: waiter id -> (place, expiry, payload)."""
-        found: dict[str, dict[str, tuple[float, float, bytes]]] | None = self.__dict__.get(
+    def _waits(self) -> dict[str, dict[str, _Waiting]]:
+        """Per key: waiter id -> (place, expiry, payload, the limit it waits under)."""
+        found: dict[str, dict[str, _Waiting]] | None = self.__dict__.get(
             "_wait_table"
         )
         if found is None:
@@ -78,10 +83,10 @@ class MemoryLimits:
 
     def _live_turns(
         self, key: str, now: float
-    ) -> tuple[dict[str, float], dict[str, tuple[float, float, bytes]], dict[str, float]]:
+    ) -> tuple[dict[str, float], dict[str, _Waiting], dict[str, float]]:
         holders = self._live_slots(key, now)
         waiters = self._waits.setdefault(key, {})
-        for name, (_, expiry, _) in list(waiters.items()):
+        for name, (_, expiry, _, _) in list(waiters.items()):
             if expiry <= now:
                 del waiters[name]
         reserved = self._reserved.setdefault(key, {})
@@ -109,7 +114,8 @@ class MemoryLimits:
                 taken = True
             elif not taken and waiter is not None:
                 place = waiters[waiter.id][0] if waiter.id in waiters else waiter.order
-                waiters[waiter.id] = (place, now + waiter.life, waiter.payload)
+                # The limit it was called under: a slot goes to it only below it.
+                waiters[waiter.id] = (place, now + waiter.life, waiter.payload, limit)
             if taken:
                 holders[holder] = now + ttl
                 if me is not None:
@@ -140,12 +146,20 @@ class MemoryLimits:
         taken: bool,
         ttl: float,
     ) -> tuple[tuple[bytes, ...], bool]:
-        """Reserve the free slots for the oldest waiters (``me`` takes its own)."""
+        """Reserve free slots for the oldest waiters (``me`` takes its own).
+
+        A waiter is served only while fewer slots are in use than the limit
+        it waits under (``limit`` for a waiter listed without one); one that
+        finds its limit reached keeps its place and the next is looked at.
+        """
         holders, waiters, reserved = self._live_turns(key, now)
-        free = limit - len(holders) - len(reserved)
-        queue = sorted(waiters.items(), key=lambda item: (item[1][0], item[0]))[: max(free, 0)]
+        used = len(holders) + len(reserved)
+        queue = sorted(waiters.items(), key=lambda item: (item[1][0], item[0]))[:_SCAN]
         woken = []
-        for name, (_, _, payload) in queue:
+        for name, (_, _, payload, own) in queue:
+            if used >= (own or limit):
+                continue
+            used += 1
             del waiters[name]
             if name == me and not taken:
                 holders[holder] = now + ttl
@@ -188,11 +202,12 @@ class MemoryLimits:
         """Every slot key under ``prefix`` with a live lease."""
         with self._mutex:
             now = self.clock()
-            found = [
-                SlotUsage(key, len(self._live_slots(key, now)))
-                for key in sorted(self._slots)
-                if key.startswith(prefix)
-            ]
+            found = []
+            for key in sorted(self._slots):
+                if key.startswith(prefix):
+                    holders = self._live_slots(key, now)
+                    newest = max(holders, key=lambda h: holders[h], default="")
+                    found.append(SlotUsage(key, len(holders), slot_limit_of(newest)))
         return [usage for usage in found if usage.in_use]
 
     def list_rates(self, prefix: str) -> list[RateWindow]:
@@ -204,7 +219,8 @@ class MemoryLimits:
                 newest = sorted(self._rates[key].items(), key=lambda item: -item[1])
                 if key.startswith(prefix) and newest:
                     ages = tuple(now - at for _, at in newest)
-                    found.append(RateWindow(key, ages, task_id_of(newest[0][0])))
+                    name = newest[0][0]
+                    found.append(RateWindow(key, ages, task_id_of(name), rate_of(name)))
         return found
 
     def _hit(
@@ -213,9 +229,13 @@ class MemoryLimits:
         now = self.clock()
         window = self._rates.setdefault(key, {})
         for name, at in list(window.items()):
-            if at <= now - period:
+            # Kept while its own period lasts, even past this call's (rate_entries).
+            if at <= now - max(period, own_period(name)):
                 del window[name]
-        ordered = sorted(window.items(), key=lambda item: item[1])
+        ordered = sorted(
+            ((name, at) for name, at in window.items() if at > now - period),
+            key=lambda item: item[1],
+        )
         last = task_id_of(ordered[-1][0]) if ordered else ""
         at = now
         if len(ordered) >= limit:
@@ -223,7 +243,7 @@ class MemoryLimits:
         if delay is None or (at > now and not delay):
             return RateAnswer(False, at - now, len(ordered), last)
         # One entry per publish: calls sharing a task id count apart.
-        entry = new_entry(member)
+        entry = new_entry(member, limit, period)
         window[entry] = at
         return RateAnswer(True, at - now, len(ordered) + 1, member, entry)
 

@@ -59,7 +59,7 @@ from .base import (
     store_errors,
     translate,
 )
-from .rate_entries import new_entry
+from .rate_entries import WINDOW_TRIM, new_entry
 from .redis_limits import RedisLimits, rate_answer
 from .redis_wire import ScriptWire
 
@@ -160,7 +160,7 @@ return false
 # ARGV[8] - owner token (encoded)
 # ARGV[9..] - the hash fields to write instead, on a key of an earlier version
 # return {2, holder} when held; else {admitted 1/0, wait ms, count, last member or ""}
-ACQUIRE_RATED = _PRELUDE + """
+ACQUIRE_RATED = _PRELUDE + WINDOW_TRIM + """
 local v, h = read(KEYS[1])
 if v and not owns(v, ARGV[8]) then
     return {2, holder(KEYS[1], v, h)}
@@ -175,13 +175,14 @@ if v then
 end
 local limit = tonumber(ARGV[4])
 local period = tonumber(ARGV[5])
-redis.call('zremrangebyscore', KEYS[2], '-inf', now - period)
-local n = redis.call('zcard', KEYS[2])
+local kept = trim(KEYS[2], now, period)
+local n = redis.call('zcard', KEYS[2]) - kept
 local newest = redis.call('zrange', KEYS[2], -1, -1)
 local last = newest[1] or ''
 local at = now
 if n >= limit then
-    local blocker = redis.call('zrange', KEYS[2], n - limit, n - limit, 'WITHSCORES')
+    local blocker = redis.call('zrange', KEYS[2], kept + n - limit, kept + n - limit,
+        'WITHSCORES')
     at = math.max(now, tonumber(blocker[2]) + period)
 end
 if at > now and ARGV[6] ~= '1' then
@@ -950,7 +951,7 @@ class RedisStore(RedisLimits):
             return None
         mine = _enc(owner)
         record = _pack(key, mine, meta, meta.get("started") == "1")
-        entry = new_entry(member)
+        entry = new_entry(member, limit, period)
         args = [
             record, _ms(ttl), entry, limit, _ms(period), "1" if delay else "0",
             _ms(unique_for), mine, *_legacy_fields(key, owner, meta),

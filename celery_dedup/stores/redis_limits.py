@@ -19,8 +19,8 @@ from typing import Any
 import redis
 from redis.commands.core import Script
 
-from .base import RateAnswer, RateWindow, SlotTurn, SlotUsage, SlotWaiter
-from .rate_entries import new_entry, task_id_of
+from .base import RateAnswer, RateWindow, SlotTurn, SlotUsage, SlotWaiter, slot_limit_of
+from .rate_entries import WINDOW_TRIM, new_entry, rate_of, task_id_of
 
 __all__ = ["RedisLimits", "rate_answer"]
 
@@ -51,11 +51,14 @@ return {1, n + 1}
 
 # The handoff (SlotHandoff): beside the slot key K, in its hash slot,
 # W (sorted set waiter id -> place), E (sorted set waiter id -> expiry ms),
-# P (hash waiter id -> payload) and R (sorted set waiter id -> reservation
-# expiry ms; each one a slot in use).
-# KEYS[1..5] - K, W, E, P, R
+# P (hash waiter id -> payload), R (sorted set waiter id -> reservation
+# expiry ms; each one a slot in use) and L (sorted set waiter id -> the
+# limit it was called under: a slot goes to a waiter only while fewer than
+# its own limit are in use; a waiter without one, listed by an older
+# version, waits under ARGV[2]).
+# KEYS[1..6] - K, W, E, P, R, L
 # ARGV[1] - the holder
-# ARGV[2] - the number of slots
+# ARGV[2] - the number of slots (the caller's limit)
 # ARGV[3] - the lease in milliseconds ("" : give the holder's slot back)
 # ARGV[4] - the waiter id ("" : none)
 # ARGV[5] - the waiter's place
@@ -66,7 +69,7 @@ return {1, n + 1}
 TURN_SLOT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local K, W, E, P, R = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local K, W, E, P, R, L = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local limit = tonumber(ARGV[2])
 local grace = tonumber(ARGV[8])
 local me = ARGV[4]
@@ -79,6 +82,7 @@ local function unlist(name)
   redis.call('ZREM', W, name)
   redis.call('ZREM', E, name)
   redis.call('HDEL', P, name)
+  redis.call('ZREM', L, name)
 end
 redis.call('ZREMRANGEBYSCORE', K, '-inf', now)
 redis.call('ZREMRANGEBYSCORE', R, '-inf', now)
@@ -98,9 +102,11 @@ else
     redis.call('ZADD', W, 'NX', ARGV[5], me)
     redis.call('ZADD', E, now + tonumber(ARGV[6]), me)
     redis.call('HSET', P, me, ARGV[7])
+    redis.call('ZADD', L, limit, me)
     longer(W, tonumber(ARGV[6]))
     longer(E, tonumber(ARGV[6]))
     longer(P, tonumber(ARGV[6]))
+    longer(L, tonumber(ARGV[6]))
   end
   if taken then
     redis.call('ZADD', K, now + ttl, ARGV[1])
@@ -109,21 +115,34 @@ else
     end
   end
 end
-local free = limit - redis.call('ZCARD', K) - redis.call('ZCARD', R)
+-- The dispatch: the oldest waiters (at most 64 looked at), each while
+-- fewer slots are in use than its own limit; one whose limit is reached
+-- keeps its place. None is looked at when even the highest limit is reached.
+local used = redis.call('ZCARD', K) + redis.call('ZCARD', R)
+local highest = limit
+local top = redis.call('ZREVRANGE', L, 0, 0, 'WITHSCORES')
+if top[2] and tonumber(top[2]) > highest then
+  highest = tonumber(top[2])
+end
 local woken = {}
-if free > 0 then
-  for _, name in ipairs(redis.call('ZRANGE', W, 0, free - 1)) do
-    if name == me and not taken then
-      redis.call('ZADD', K, now + ttl, ARGV[1])
-      taken = true
-    else
-      local payload = redis.call('HGET', P, name)
-      if payload then
-        redis.call('ZADD', R, now + grace, name)
-        table.insert(woken, payload)
+if used < highest then
+  for _, name in ipairs(redis.call('ZRANGE', W, 0, 63)) do
+    local own = tonumber(redis.call('ZSCORE', L, name)) or limit
+    if used < own then
+      if name == me and not taken then
+        redis.call('ZADD', K, now + ttl, ARGV[1])
+        taken = true
+        used = used + 1
+      else
+        local payload = redis.call('HGET', P, name)
+        if payload then
+          redis.call('ZADD', R, now + grace, name)
+          table.insert(woken, payload)
+          used = used + 1
+        end
       end
+      unlist(name)
     end
-    unlist(name)
   end
   if #woken > 0 then
     longer(R, grace)
@@ -172,25 +191,26 @@ return redis.call('ZCOUNT', KEYS[1], '(' .. now, '+inf')
 """
 
 # KEYS[1] - the rate key (sorted set publish -> admission time in ms)
-# ARGV[1] - the member (the publish's task id and a nonce: unique per publish)
+# ARGV[1] - the member (the publish's task id, a nonce: unique per publish, and
+#           the rate it is admitted under: ``rate_entries``)
 # ARGV[2] - the limit (publishes per period)
 # ARGV[3] - the period in milliseconds
 # ARGV[4] - "1": admit at the earliest free place; "0": refuse a full window;
 #           "": count nothing (read the window)
 # return {admitted 1/0, wait in ms, count after the call, last member or ""}
-HIT_RATE = """
+HIT_RATE = WINDOW_TRIM + """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local limit = tonumber(ARGV[2])
 local period = tonumber(ARGV[3])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - period)
-local n = redis.call('ZCARD', KEYS[1])
+local kept = trim(KEYS[1], now, period)
+local n = redis.call('ZCARD', KEYS[1]) - kept
 local newest = redis.call('ZRANGE', KEYS[1], -1, -1)
 local last = newest[1] or ''
 local at = now
 if n >= limit then
   -- the window ending at `at` must drop the (n - limit + 1)th newest entry
-  local blocker = redis.call('ZRANGE', KEYS[1], n - limit, n - limit, 'WITHSCORES')
+  local blocker = redis.call('ZRANGE', KEYS[1], kept + n - limit, kept + n - limit, 'WITHSCORES')
   at = math.max(now, tonumber(blocker[2]) + period)
 end
 if ARGV[4] == '' or (at > now and ARGV[4] ~= '1') then
@@ -281,7 +301,8 @@ class RedisLimits:
 
     def _turn_keys(self, key: str) -> list[str]:
         """The slot key and its wait list's keys (all in the slot key's hash slot)."""
-        return [self._k(key)] + [self._marker(key, "", kind) for kind in ("w", "e", "p", "r")]
+        kinds = ("w", "e", "p", "r", "l")
+        return [self._k(key)] + [self._marker(key, "", kind) for kind in kinds]
 
     def take_slot_in_turn(
         self,
@@ -336,7 +357,7 @@ class RedisLimits:
         self, key: str, member: str, limit: int, period: float, *, delay: bool
     ) -> RateAnswer:
         """Count the publish in the sliding window, or refuse it (one EVALSHA)."""
-        entry = new_entry(member)
+        entry = new_entry(member, limit, period)
         args = [entry, limit, _ms(period), "1" if delay else "0"]
         answer = rate_answer(self._run(self._limit_scripts["rate"], [self._k(key)], args))
         return replace(answer, entry=entry) if answer.admitted else answer
@@ -355,14 +376,18 @@ class RedisLimits:
         for key, now, entries in self._read_keys(prefix):
             live = sum(1 for _, expiry in entries if expiry > now)
             if live:
-                found.append(SlotUsage(key, live))
+                # (newest first: the most recently taken or renewed lease)
+                found.append(SlotUsage(key, live, slot_limit_of(entries[0][0])))
         return found
 
     def list_rates(self, prefix: str) -> list[RateWindow]:
         """Every rate key under ``prefix`` with entries (SCAN, then pipelined reads)."""
         return [
             RateWindow(
-                key, tuple((now - at) / 1000.0 for _, at in entries), task_id_of(entries[0][0])
+                key,
+                tuple((now - at) / 1000.0 for _, at in entries),
+                task_id_of(entries[0][0]),
+                rate_of(entries[0][0]),
             )
             for key, now, entries in self._read_keys(prefix)
             if entries

@@ -13,7 +13,7 @@ deleted by the call that finds the reap interval passed.
 The handoff (``SlotHandoff``) keeps a key's wait list and reservations in
 a table of its own (``celery_dedup_sql_slot_wait``: rows of workers that
 predate it keep working, the holders stay where they were) and runs in one
-server-side function (``celery_dedup_slot_turn_v1``, created with that
+server-side function (``celery_dedup_slot_turn_v2``, created with that
 table): one round trip, a transaction that locks the key's slot row, then
 its wait row, and writes both.
 
@@ -34,8 +34,8 @@ from sqlalchemy import DDL, Column, Double, Table, Text, event, text
 from sqlalchemy.exc import DBAPIError
 
 from ..exceptions import LimitsNotSupported
-from .base import RateAnswer, RateWindow, SlotTurn, SlotUsage, SlotWaiter
-from .rate_entries import new_entry, task_id_of
+from .base import RateAnswer, RateWindow, SlotTurn, SlotUsage, SlotWaiter, slot_limit_of
+from .rate_entries import new_entry, rate_of, task_id_of
 from .sql_dialects import KEY_LENGTH, _varchar, metadata
 
 __all__ = [
@@ -55,7 +55,7 @@ RATE_TABLE = "celery_dedup_sql_rate"
 SLOT_WAIT_TABLE = "celery_dedup_sql_slot_wait"
 #: The handoff's function; a new version gets a new name (workers of both
 #: versions may run side by side).
-TURN_FUNCTION = "celery_dedup_slot_turn_v1"
+TURN_FUNCTION = "celery_dedup_slot_turn_v2"
 
 #: One row per concurrency key: its holders and their lease expiries (JSON).
 slot_table = Table(
@@ -69,7 +69,8 @@ slot_table = Table(
 )
 
 #: One row per concurrency key with waiters: its wait list (waiter id ->
-#: [place, expiry, payload in base64]) and reservations (waiter id -> expiry), JSON.
+#: [place, expiry, payload in base64, the limit it waits under]) and
+#: reservations (waiter id -> expiry), JSON.
 slot_wait_table = Table(
     SLOT_WAIT_TABLE,
     metadata,
@@ -133,7 +134,15 @@ WHERE key = :key
 
 READ_SLOTS = text(f"SELECT holders, {_NOW} AS now FROM {SLOT_TABLE} WHERE key = :key")
 
-# The window: entries newer than now - period, in time order. A new entry
+# The period a window entry was admitted under, in seconds (0: not recorded),
+# from its member's ``~<limit>/<period ms>`` suffix (``rate_entries``).
+_OWN_PERIOD = (
+    "coalesce(CAST(substring(e ->> 1 from '#[0-9a-f]{16}~[0-9]+/([0-9]+)$') "
+    "AS DOUBLE PRECISION) / 1000.0, 0)"
+)
+
+# The window: entries newer than now - period, in time order; older ones
+# stay while their own period lasts (``rate_entries``). A new entry
 # goes at now when fewer than `limit` are in it, else at the time the
 # (n - limit + 1)th newest leaves it plus nothing earlier than now; it is
 # written when that is now, or always under `delay`.
@@ -143,10 +152,12 @@ VALUES (:key, jsonb_build_array(jsonb_build_array({_NOW}, CAST(:member AS text))
         {_NOW} + :period)
 ON CONFLICT (key) DO UPDATE SET
   entries = (
-    WITH live AS (
+    WITH kept AS (
       SELECT CAST(e ->> 0 AS DOUBLE PRECISION) AS at, e ->> 1 AS m, ord
       FROM jsonb_array_elements(CAST(r.entries AS jsonb)) WITH ORDINALITY AS t(e, ord)
-      WHERE CAST(e ->> 0 AS DOUBLE PRECISION) > {_NOW} - :period
+      WHERE CAST(e ->> 0 AS DOUBLE PRECISION) > {_NOW} - greatest(:period, {_OWN_PERIOD})
+    ), live AS (
+      SELECT at, m, ord FROM kept WHERE at > {_NOW} - :period
     ), n AS (
       SELECT count(*) AS c FROM live
     ), place AS (
@@ -162,7 +173,7 @@ ON CONFLICT (key) DO UPDATE SET
     )
     SELECT coalesce(jsonb_agg(x ORDER BY CAST(x ->> 0 AS DOUBLE PRECISION)), '[]'::jsonb)::text
     FROM (
-      SELECT jsonb_build_array(at, m) AS x FROM live
+      SELECT jsonb_build_array(at, m) AS x FROM kept
       UNION ALL
       SELECT jsonb_build_array(place.at, CAST(:member AS text)) FROM place
       WHERE place.at <= {_NOW} OR :delay
@@ -213,7 +224,7 @@ DECLARE
   v_holders jsonb;
   v_waiters jsonb;
   v_reserved jsonb;
-  v_free integer;
+  v_used integer;
   v_next record;
 BEGIN
   woken := ARRAY[]::text[];
@@ -241,7 +252,8 @@ BEGIN
       taken := true;
     ELSIF NOT taken AND p_me IS NOT NULL THEN
       v_waiters := v_waiters || jsonb_build_object(p_me, jsonb_build_array(
-        coalesce(v_waiters -> p_me -> 0, to_jsonb(p_place)), v_now + p_life, p_payload));
+        coalesce(v_waiters -> p_me -> 0, to_jsonb(p_place)), v_now + p_life, p_payload,
+        p_limit));
     END IF;
     IF taken THEN
       v_holders := v_holders || jsonb_build_object(p_holder, v_now + p_ttl);
@@ -250,13 +262,20 @@ BEGIN
       END IF;
     END IF;
   END IF;
-  v_free := p_limit - (SELECT count(*) FROM jsonb_object_keys(v_holders))
-    - (SELECT count(*) FROM jsonb_object_keys(v_reserved));
-  IF v_free > 0 THEN
+  -- The dispatch: the oldest waiters (at most 64 looked at), each while
+  -- fewer slots are in use than the limit it waits under (p_limit for one
+  -- listed by v1); one whose limit is reached keeps its place.
+  v_used := (SELECT count(*) FROM jsonb_object_keys(v_holders))
+    + (SELECT count(*) FROM jsonb_object_keys(v_reserved));
+  IF v_used < greatest(p_limit, coalesce((SELECT max(CAST(e.v ->> 3 AS integer))
+      FROM jsonb_each(v_waiters) AS e(k, v)), 0)) THEN
     FOR v_next IN
-      SELECT e.k, e.v ->> 2 AS payload FROM jsonb_each(v_waiters) AS e(k, v)
-      ORDER BY CAST(e.v ->> 0 AS double precision), e.k LIMIT v_free
+      SELECT e.k, e.v ->> 2 AS payload, coalesce(CAST(e.v ->> 3 AS integer), p_limit) AS lim
+      FROM jsonb_each(v_waiters) AS e(k, v)
+      ORDER BY CAST(e.v ->> 0 AS double precision), e.k LIMIT 64
     LOOP
+      CONTINUE WHEN v_used >= v_next.lim;
+      v_used := v_used + 1;
       v_waiters := v_waiters - v_next.k;
       IF v_next.k = p_me AND NOT taken THEN
         v_holders := v_holders || jsonb_build_object(p_holder, v_now + p_ttl);
@@ -437,13 +456,16 @@ class SQLLimits:
         self, key: str, member: str, limit: int, period: float, *, delay: bool
     ) -> RateAnswer:
         """Count the publish in the sliding window, or refuse it (one upsert)."""
-        entry = new_entry(member)
+        entry = new_entry(member, limit, period)
         params = {
             "key": key, "member": entry, "limit": limit, "period": float(period), "delay": delay
         }
         row = self._limits(HIT_RATE, params, key).one()
-        entries = [(float(at), str(m)) for at, m in json.loads(row.entries)]
         now = float(row.now)
+        # (Older entries stay while their own, longer, period lasts: not this window's.)
+        entries = [
+            (float(at), str(m)) for at, m in json.loads(row.entries) if float(at) > now - period
+        ]
         mine = [at for at, m in entries if m == entry]
         if mine:
             return RateAnswer(True, max(0.0, mine[0] - now), len(entries), member, entry)
@@ -468,9 +490,10 @@ class SQLLimits:
         found = []
         for row in self._limits(LIST_SLOTS, {"pattern": _like(prefix)}, prefix):
             now = float(row.now)
-            live = sum(1 for expiry in json.loads(row.holders).values() if float(expiry) > now)
-            if live:
-                found.append(SlotUsage(str(row.key), live))
+            holders = {h: float(e) for h, e in json.loads(row.holders).items() if float(e) > now}
+            if holders:
+                newest = max(holders, key=lambda h: holders[h])
+                found.append(SlotUsage(str(row.key), len(holders), slot_limit_of(newest)))
         return found
 
     def list_rates(self, prefix: str) -> list[RateWindow]:
@@ -483,7 +506,10 @@ class SQLLimits:
             )
             if entries:
                 ages = tuple(now - at for at, _ in entries)
-                found.append(RateWindow(str(row.key), ages, task_id_of(entries[0][1])))
+                newest = entries[0][1]
+                found.append(
+                    RateWindow(str(row.key), ages, task_id_of(newest), rate_of(newest))
+                )
         return found
 
     def forget_rate(self, key: str, member: str) -> bool:

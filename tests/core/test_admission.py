@@ -27,8 +27,10 @@ Pruned, because they are provably the same code path:
   any store round trip, and a signature or chord member goes through
   the same ``apply_async`` as ``delay`` or a group member (``canvas``
   reads ``group_id``/``chord`` alike: ``is_member``).
-* callable limit keys run where a rate is counted (``rate_callable``), not
-  under the error columns: the key is computed before the store is asked.
+* callable limit keys and callable rates (``rate_limit_per_key`` a function
+  of the call) run where a rate is counted (``rate_callable``), not under
+  the error columns: the key and the rate are computed before the store is
+  asked.
 """
 
 from __future__ import annotations
@@ -69,6 +71,10 @@ def _user(user: str, n: int) -> str:
     return user
 
 
+def _rate(user: str, n: int) -> str:
+    return "1/h"
+
+
 @pytest.fixture(params=["redis", pytest.param("postgres", marks=pytest.mark.postgres)])
 def store_conf(request: pytest.FixtureRequest) -> dict[str, Any]:
     """The lock store: the Redis result backend, or PostgreSQL."""
@@ -92,7 +98,8 @@ def _task(app: Celery, policy: str, limit: str, ids: str) -> Any:
         options["concurrency_limit"] = 1
         options["concurrency_key"] = "{user}"
     elif limit != "none":
-        options["rate_limit_per_key"] = "1/h"
+        # The callable form: the key and the rate are functions of the call.
+        options["rate_limit_per_key"] = _rate if limit == "rate_callable" else "1/h"
         options["rate_key"] = _user if limit == "rate_callable" else "{user}"
     if ids == "deterministic":
         options["deterministic_id"] = True

@@ -1,7 +1,8 @@
 """The admission matrix where a worker is involved: one shared real worker (issue 31).
 
 Every ``on_duplicate`` x limit (none, ``rate_limit_per_key``,
-``concurrency_limit``, each with a template and a callable key) x task
+``concurrency_limit``, each with a template key and fixed limit, and with a
+callable key and a callable limit) x task
 class (``DedupTask``, and a Flask-style base whose ``__call__`` runs
 ``self.run`` without ``super()``) x the paths that only exist with a
 worker:
@@ -90,6 +91,14 @@ def _user_of(user: str, n: int, mode: str = "") -> str:
     return user
 
 
+def _rate_of(user: str, n: int, mode: str = "") -> str:
+    return "1/s"
+
+
+def _limit_of(user: str, n: int, mode: str = "") -> int:
+    return 1
+
+
 @dataclass
 class Case:
     """One launched combination, and what it left to assert."""
@@ -173,12 +182,14 @@ class Lab:
         }  # fmt: skip
         if policy == "cancel_running":
             options["cancel_wait"] = 5
+        # The callable forms: the key and the limit are functions of the call.
+        per_call = limit.endswith("callable")
         if limit.startswith("rate"):
-            options["rate_limit_per_key"] = "1/s"
-            options["rate_key"] = _user_of if limit.endswith("callable") else "{user}"
+            options["rate_limit_per_key"] = _rate_of if per_call else "1/s"
+            options["rate_key"] = _user_of if per_call else "{user}"
         elif limit.startswith("concurrency"):
-            options["concurrency_limit"] = 1
-            options["concurrency_key"] = _user_of if limit.endswith("callable") else "{user}"
+            options["concurrency_limit"] = _limit_of if per_call else 1
+            options["concurrency_key"] = _user_of if per_call else "{user}"
             options["concurrency_backoff"] = 0.2
         name = f"admw.{base}.{policy}.{limit}"
         runs = self.runs

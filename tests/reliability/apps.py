@@ -22,7 +22,7 @@ from celery_dedup import DedupTask
 
 from .probe import Recorder, body_event, install_worker_probes
 
-__all__ = ["WORK", "PlannedFailure", "from_env", "make_app", "work_task"]
+__all__ = ["SLOTS", "WORK", "PlannedFailure", "from_env", "make_app", "plan_slots", "work_task"]
 
 #: the task every scenario runs
 WORK = "rel.work"
@@ -46,7 +46,7 @@ def run_plan(task: Any, recorder: Recorder, n: int, plan: Mapping[str, Any]) -> 
     """
     retries = int(task.request.retries or 0)
     seq = str(plan.get("seq", ""))
-    start = body_event(task, recorder, "start", seq=seq)
+    start = body_event(task, recorder, "start", seq=seq, slots=int(plan.get("slots", 0)))
     run = recorder.next_run(start.token, retries)
     outcome, countdown = "failure", 0.0
     try:
@@ -74,6 +74,18 @@ CALL_OVERRIDE = "rel_call_override"
 #: a ``conf`` key (not a Celery setting): ``rel.work`` sets ``fence=True`` (a store
 #: that issues fencing tokens); each ``start`` event records the run's token
 FENCE = "rel_fence"
+
+
+#: a ``conf`` key (not a Celery setting): ``rel.work`` sets ``concurrency_limit`` to a
+#: callable of the call (``plan_slots``): each call's plan draws the limit of its key
+SLOTS = "rel_slots"
+#: the limit of a call whose plan draws none: no call of a key waits for another
+UNLIMITED_SLOTS = 100
+
+
+def plan_slots(n: int, plan: Mapping[str, Any]) -> int:
+    """``rel.work``'s ``concurrency_limit`` for one call: its plan's ``slots``."""
+    return int(plan.get("slots") or UNLIMITED_SLOTS)
 
 
 class _RunsItself(Task):  # type: ignore[type-arg]
@@ -105,6 +117,11 @@ def make_app(conf: Mapping[str, Any], recorder_url: str, *, probes: bool = False
         }
     )
     recorder = Recorder(recorder_url)
+    limits: dict[str, Any] = {}
+    if conf.get(SLOTS):
+        # Per key (the deduplication key), a limit each call draws: a key's
+        # limit changes between its calls.
+        limits = {"concurrency_limit": plan_slots, "concurrency_backoff": 0.5}
 
     @app.task(
         base=CallOverrideTask if conf.get(CALL_OVERRIDE) else DedupTask,
@@ -115,6 +132,7 @@ def make_app(conf: Mapping[str, Any], recorder_url: str, *, probes: bool = False
         unique_for=30,
         max_retries=5,
         fence=bool(conf.get(FENCE)),
+        **limits,
     )
     def work(self: Any, n: int, plan: dict[str, Any]) -> int:
         return run_plan(self, recorder, n, plan)

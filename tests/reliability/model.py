@@ -122,6 +122,9 @@ class Kind(str, Enum):
     #: a run's fencing token not greater than that of a run of its key that
     #: started before this run's start claim began
     FENCE = "fence not growing"
+    #: a run started while as many runs of its key as the ``concurrency_limit``
+    #: its call drew were certainly running
+    SLOTS = "concurrency limit exceeded"
 
 
 @dataclass(frozen=True)
@@ -200,6 +203,8 @@ class Event:
     seq: str = ""
     #: the run's fencing token (``fence=True`` tasks; ``start``, ``end``), else 0
     fence: int = 0
+    #: the ``concurrency_limit`` the run's call drew (``start``), else 0 (none)
+    slots: int = 0
 
 
 @dataclass(frozen=True)
@@ -884,6 +889,30 @@ class _Checker:
                             f"started {claimed - earlier.t:.3f}s before its claim",
                         )
 
+    def check_slots(self) -> None:
+        """A run whose call drew a ``concurrency_limit`` of ``L`` started while fewer
+        than ``L`` runs of its key certainly ran (started before it and ended after it,
+        by more than the margin). A body records its start after taking its slot and
+        its end before giving it back, so runs that overlap here held slots together.
+        """
+        for key, holdings in self.by_key.items():
+            spans = [span for h in holdings for span in self._spans(h)]
+            for start, _ in spans:
+                if not start.slots:
+                    continue
+                running = [
+                    other for other, end in spans
+                    if other is not start and other.t + self.m < start.t
+                    and end.t > start.t + self.m
+                ]  # fmt: skip
+                if len(running) >= start.slots:
+                    self.report(
+                        Kind.SLOTS,
+                        key,
+                        f"{start.seq or start.task_id} started under a limit of "
+                        f"{start.slots} while {len(running)} runs of its key ran",
+                    )
+
     def check_capped(self) -> None:
         """A capped debounce's burst runs within ``debounce_max_wait`` of its first call.
 
@@ -1053,6 +1082,7 @@ def check(
     checker.check_coalesced()
     checker.check_cancel_overlaps()
     checker.check_fences()
+    checker.check_slots()
     checker.check_covered()
     checker.check_capped()
     checker.check_suppressions()

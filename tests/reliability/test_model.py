@@ -578,3 +578,27 @@ def test_runs_claiming_together_may_get_their_tokens_in_either_order() -> None:
         events=[*fenced(run("ta", "A", 1.0), 9), *fenced(run("tb", "B", 1.0, pid=2), 5)],
     )
     assert Kind.FENCE not in kinds(trace)
+
+
+def limited(events: list[Event], slots: int) -> list[Event]:
+    """``events`` (a ``run``) whose call drew a ``concurrency_limit`` of ``slots``."""
+    return [replace(e, slots=slots) if e.kind == "start" else e for e in events]
+
+
+@pytest.mark.parametrize(("slots", "found"), [(1, True), (2, False)])
+def test_a_run_started_beside_as_many_as_its_limit_is_reported(slots: int, found: bool) -> None:
+    """Under ``"start"`` two runs of a key may overlap; a run whose call drew a limit of 1
+    may not start while another certainly runs, one that drew 2 may."""
+    trace = Trace(
+        calls=[published(0.0, "A", "ta", until="start"), published(1.5, "B", "tb", until="start")],
+        events=[*run("ta", "A", 1.0, seconds=2.0), *limited(run("tb", "B", 2.0, pid=2), slots)],
+    )
+    assert (Kind.SLOTS in kinds(trace)) is found
+
+
+def test_a_run_after_the_other_ended_is_within_its_limit() -> None:
+    trace = Trace(
+        calls=[published(0.0, "A", "ta", until="start"), published(1.5, "B", "tb", until="start")],
+        events=[*run("ta", "A", 1.0), *limited(run("tb", "B", 2.0, pid=2), 1)],
+    )
+    assert Kind.SLOTS not in kinds(trace)

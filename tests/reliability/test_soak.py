@@ -26,7 +26,7 @@ from celery.result import AsyncResult
 from celery_dedup.stores import store_from_url
 from tests.fixtures._store_case import StoreCase
 
-from .apps import CALL_OVERRIDE, FENCE
+from .apps import CALL_OVERRIDE, FENCE, SLOTS
 from .conftest import Backends
 from .model import Holding, Kind, Trace, check, summary, unfinished
 from .probe import Recorder, Scanner, poll, scan_once
@@ -45,6 +45,10 @@ ALL_STORES = [
 #: the stores that issue fencing tokens: there ``rel.work`` sets ``fence=True``
 #: and the checker judges every run's token (``check_fences``)
 FENCING_STORES = frozenset({"redis", "store_redis_cluster"})
+#: the stores that keep per-key limits: there ``rel.work`` has a callable
+#: ``concurrency_limit`` (each call's plan draws it) and the checker judges
+#: every run against the limit its call drew (``check_slots``)
+LIMIT_STORES = frozenset({"redis", "store_redis_cluster", "store_postgres"})
 #: ``DEDUP_SOAK_STORES`` (comma-separated ids, or ``all``) selects the stores
 #: the soak runs on; CI runs Redis (the races run on every store).
 _CHOSEN = os.environ.get("DEDUP_SOAK_STORES", "redis").split(",")
@@ -109,7 +113,10 @@ def test_soak_finds_no_violation(
     # Drawn per run (replayed by the seed): the task's class overrides __call__.
     override = random.Random(f"{plan.seed}:{fault}").random() < 0.5
     fence = fixture in FENCING_STORES
-    conf = backends.conf(dedup_store=url, **settings, **{CALL_OVERRIDE: override, FENCE: fence})
+    slots = fixture in LIMIT_STORES
+    conf = backends.conf(
+        dedup_store=url, **settings, **{CALL_OVERRIDE: override, FENCE: fence, SLOTS: slots}
+    )
     workers.start(conf, count=2, concurrency=2)
     store = store_from_url(url)
     context = multiprocessing.get_context("spawn")
@@ -141,6 +148,8 @@ def test_soak_finds_no_violation(
     assert outcomes["published"] > plan.calls // 10 and outcomes["deduplicated"] > 0, report
     assert outcomes["raised"] > 0 and len(trace.revokes) > 0, report
     assert any(c.keep_last and c.outcome == "published" for c in trace.calls), report
+    # On a store keeping limits, runs under the limit their call drew (``check_slots``).
+    assert any(e.kind == "start" and e.slots for e in trace.events) is slots, report
     # cancel_running terminated running bodies; capped debounces published.
     assert any(c.cancel and c.outcome == "published" for c in trace.calls), report
     assert any(e.kind == "end" and e.outcome == "interrupted" for e in trace.events), report

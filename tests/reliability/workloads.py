@@ -9,7 +9,9 @@ cancel the running call with ``on_duplicate="cancel_running"`` and half
 debounce with a cap: ``on_duplicate="replace"``, a ``countdown`` on every
 call and ``debounce_max_wait``); every other key's call draws its own
 ``on_duplicate``, ``countdown``/``expires``, a failure cooldown
-(``retry_window``, under ``"success"`` and ``"expiry"``) and what its body
+(``retry_window``, under ``"success"`` and ``"expiry"``), half of them a
+``concurrency_limit`` of 1 to 3 for their key (read by ``rel.work``'s
+callable limit where the run enables it) and what its body
 will do (sleep, fail, retry with a countdown), and some published calls are revoked shortly
 after. ``cancel_running`` bodies sleep longer, so calls find them running
 and terminate them. Every call is named (``seq``) in its plan, so the
@@ -136,6 +138,11 @@ class Workload:
         elif pick < 0.16:
             plan.update(retries=rng.randint(1, 2), retry_countdown=round(rng.uniform(0.1, 0.6), 3))
         revoke_after = round(rng.uniform(0.0, 0.4), 3) if rng.random() < 0.05 else None
+        if policy != "cancel_running" and rng.random() < 0.5:
+            # The key's concurrency_limit for this call (a callable of the call,
+            # when the run sets ``apps.SLOTS``): it changes between a key's calls.
+            # Not under cancel_running: a terminated body's slot lapses with its lease.
+            plan["slots"] = rng.choice((1, 2, 3))
         return n, plan, options, revoke_after
 
 

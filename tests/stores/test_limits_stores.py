@@ -385,3 +385,56 @@ def test_gate_handoff_wakes_the_follow_up_when_the_run_ends(gate_store: GateHand
     plain = RunRef("gate:b", "owner-c", "0.0", "copy-c")
     assert records.claim_run(plain, 30, META, release=False, ttl=30)[0] is RunOutcome.BEGUN
     assert gate_store.end_run_in_turn(plain, 30, META, release=None) == (False, None)
+
+
+def test_handoff_wakes_a_waiter_only_below_its_own_limit(handoff_store: SlotHandoff) -> None:
+    """Limits per call (issue 34, item 4): 3 slots held under a limit of 3; two messages
+    wait under a limit of 1. A give under 3 wakes neither while 2 or 1 are held; the last
+    give wakes the oldest only. A newcomer under a limit of 3 takes a free slot at once,
+    past a waiter whose own limit is reached; a waiter asking again with a higher limit
+    is served under it."""
+    store, key = handoff_store, "celery-dedup-slots:t:per-call"
+    for n in range(3):
+        assert store.take_slot_in_turn(key, f"h{n}", 3, 30, _waiter(f"h{n}", n), 5).taken
+    for name, order in (("a", 10.0), ("b", 11.0)):
+        assert store.take_slot_in_turn(key, name, 1, 30, _waiter(name, order), 5) == SlotTurn(
+            False, 3
+        )
+    assert store.give_slot_in_turn(key, "h0", 3, 5) == ()
+    assert store.give_slot_in_turn(key, "h1", 3, 5) == ()
+    assert store.give_slot_in_turn(key, "h2", 3, 5) == (b"payload of a",)
+    assert store.take_slot_in_turn(key, "a:2", 1, 30, _waiter("a", 10.0), 5) == SlotTurn(True, 1)
+    # b waits under 1 (1 in use); a newcomer under 3 takes a slot past it.
+    assert store.take_slot_in_turn(key, "c", 3, 30, _waiter("c", 12.0), 5) == SlotTurn(True, 2)
+    assert not store.take_slot_in_turn(key, "b:2", 1, 30, _waiter("b", 11.0), 5).taken
+    # b asks again under 3 (its limit rose): served at once, keeping its place.
+    assert store.take_slot_in_turn(key, "b:3", 3, 30, _waiter("b", 11.0), 5) == SlotTurn(True, 3)
+
+
+def test_window_entries_keep_their_own_period(limited_store: object) -> None:
+    """A call under a shorter period does not erase what a call under a longer one counts:
+    each entry records the rate it was admitted under and stays for its own period."""
+    assert isinstance(limited_store, RateSupport)
+    store, key = limited_store, "celery-dedup-rate:t:periods"
+    for n in range(2):
+        assert store.hit_rate(key, f"long{n}", 2, 60.0, delay=False).admitted
+    time.sleep(0.4)
+    # Under "5/0.2s" the two entries are out of its window: admitted.
+    assert store.hit_rate(key, "short", 5, 0.2, delay=False).admitted
+    time.sleep(0.3)
+    # Back under "2/60s": the two entries (and the short one) still count.
+    refused = store.hit_rate(key, "long2", 2, 60.0, delay=False)
+    assert not refused.admitted and refused.count == 3
+    assert isinstance(limited_store, LimitListing)
+    (window,) = limited_store.list_rates("celery-dedup-rate:t:periods")
+    assert window.rate == (5, 0.2) and window.last == "short"
+
+
+def test_listing_shows_the_limit_a_slot_was_taken_under(limited_store: object) -> None:
+    from celery_dedup.stores.base import slot_holder
+
+    assert isinstance(limited_store, SlotSupport) and isinstance(limited_store, LimitListing)
+    key = "celery-dedup-slots:t:recorded"
+    assert limited_store.take_slot(key, slot_holder("id-1", "00", 4), 4, 30)[0]
+    (usage,) = limited_store.list_slots("celery-dedup-slots:t:recorded")
+    assert (usage.in_use, usage.limit) == (1, 4)
