@@ -314,10 +314,10 @@ def test_stats_counts_and_live_locks(app: Celery) -> None:
     assert table.output.splitlines()[0].split() == [
         "TASK", "ACQUIRED", "DEDUPLICATED", "RELEASED", "RELEASED_MANUAL", "FALLBACK", "SKIPPED",
         "KEY_REUSED", "COALESCED", "REPLACED", "CANCELLED", "DEFERRED", "RATE_LIMITED",
-        "LIVE_LOCKS",
+        "WOULD_DEDUPLICATE", "WOULD_REPLACE", "WOULD_CANCEL", "WOULD_RATE_LIMIT", "LIVE_LOCKS",
     ]
     assert table.output.splitlines()[1].split() == [
-        SYNC, "1", "4", "0", "1", "0", "0", "0", "0", "0", "0", "0", "0", "0"
+        SYNC, "1", "4", "0", "1", "0", "0", "0", "0", "0", "0", "0", "0", "0", "0", "0", "0", "0"
     ]
 
 

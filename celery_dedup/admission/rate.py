@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from .. import otel, rates
 from ..exceptions import StoreContention, StoreError
 from ..limits import Rate
+from ..options import DedupMode
 from ..stores.base import RateAnswer, RateSupport
 from . import duplicate
 from .canvas import is_canvas, takes_over
@@ -42,6 +43,9 @@ class RateStep:
         if window is None:
             return None
         counter, rate_key, rate, delay = window
+        adm.notes["rate_key"] = rate_key
+        # Observed, a call over the limit is counted, never delayed (``observe``).
+        delay = delay and adm.call.mode is not DedupMode.OBSERVE
         answer = self._hit(adm, counter, rate_key, rate, delay)
         if answer is None or answer.admitted:
             return None

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from .. import rates
 from ..exceptions import StoreContention, StoreError
 from ..limits import limits_of
+from ..options import DedupMode
 from ..policy import lock_ttl
 from ..stores.base import rated_acquire
 from . import lock, rate
@@ -63,6 +64,9 @@ class RatedLockStep:
         window = rates.window_of(adm.task, store, adm.args, adm.kwargs, key)
         assert window is not None
         counter, rate_key, limit, delay = window
+        adm.notes["rate_key"] = rate_key
+        # Observed, a call over the limit is counted, never delayed (``observe``).
+        delay = delay and adm.call.mode is not DedupMode.OBSERVE
         plan = LockStep().plan(adm)
         # (A count kept in another store than the locks cannot join their script.)
         if not _same(counter, store) or not plan.acquires:
