@@ -171,7 +171,7 @@ def failed(adm: Admission, plan: LockPlan, owner: str, exc: StoreError) -> None:
     fall_back(adm, exc)  # (closed: the orphan's sweeper releases a late write)
     adm.header = LockHeader(
         adm.key, plan.until, adm.call.unique_for, plan.takes_over, owner, plan.keep_last,
-        retry_window=plan.window,
+        retry_window=plan.window, observe=adm.call.mode is DedupMode.OBSERVE,
     )  # fmt: skip
 
 
@@ -180,7 +180,7 @@ def taken(adm: Admission, plan: LockPlan, owner: str, capped: bool = False) -> N
     assert adm.key is not None and adm.call.unique_for is not None
     adm.header = LockHeader(
         adm.key, plan.until, adm.call.unique_for, plan.takes_over, owner, plan.keep_last,
-        retry_window=plan.window,
+        retry_window=plan.window, observe=adm.call.mode is DedupMode.OBSERVE,
     )  # fmt: skip
     adm.locked = True
     capped_policy = plan.max_wait is not None and capped
