@@ -239,11 +239,11 @@ def test_invalid_modes_name_task_option_value_and_choices(app_factory: AppFactor
     @app.task(base=DedupTask, shared=False, name="obs.ok")
     def ok() -> None: ...
 
-    with pytest.raises(InvalidOptionError, match="obs.ok: dedup_mode='loud'.*'enforce'"):
+    with pytest.raises(InvalidOptionError, match=r"obs\.ok: dedup_mode='loud'.*'enforce'"):
         ok.apply_async(dedup_mode="loud")
     app.conf.dedup_mode = "dry-run"
     try:
-        with pytest.raises(InvalidOptionError, match="dedup_mode='dry-run'.*'observe'"):
+        with pytest.raises(InvalidOptionError, match=r"dedup_mode='dry-run'.*'observe'"):
             ok.delay()
     finally:
         app.conf.dedup_mode = "enforce"
