@@ -9,14 +9,14 @@ from .. import otel, rates
 from ..exceptions import StoreContention, StoreError
 from ..limits import Rate
 from ..options import DedupMode
-from ..stores.base import RateAnswer, RateSupport
+from ..stores.base import Lock, RateAnswer, RateSupport
 from . import duplicate
 from .canvas import is_canvas, takes_over
 from .fallback import fall_back
 from .lock import owner_token
 from .state import Admission, Refusal
 
-__all__ = ["RateStep", "counted", "refused"]
+__all__ = ["RateStep", "counted", "holder_of", "refused"]
 
 
 @dataclass(frozen=True)
@@ -106,8 +106,18 @@ def _duplicate_of(adm: Admission) -> object | None:
     """A refused call whose key is held answers as the duplicate it is (``existing``/``raise``).
 
     The window is full, but this call is the same work as the live
-    holder's: its handle (or ``DuplicateTaskError``) is the true answer. A
-    call that would take the key over (``replace``, ``keep_last``,
+    holder's: its handle (or ``DuplicateTaskError``) is the true answer.
+    """
+    holder = holder_of(adm)
+    if holder is None:
+        return None
+    return duplicate.answer(adm, holder, owner_token(adm))
+
+
+def holder_of(adm: Admission) -> Lock | None:
+    """The live holder of a rate-refused call's key, when the call is its duplicate.
+
+    A call that would take the key over (``replace``, ``keep_last``,
     ``cancel_running``) is a new publish: it stays refused; inside a canvas,
     where those policies never take a key over (``canvas.takes_over``), it
     is a duplicate like any other. One more round trip, on refusals only.
@@ -117,9 +127,6 @@ def _duplicate_of(adm: Admission) -> object | None:
     if takes_over(adm.call.on_duplicate, adm.options):
         return None
     try:
-        holder = adm.store.get(adm.key)
+        return adm.store.get(adm.key)
     except StoreError:
         return None
-    if holder is None:
-        return None
-    return duplicate.answer(adm, holder, owner_token(adm))

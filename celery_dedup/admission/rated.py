@@ -28,7 +28,7 @@ from ..options import DedupMode
 from ..policy import lock_ttl
 from ..stores.base import rated_acquire
 from . import lock, rate
-from .canvas import lets_in, protected
+from .canvas import lets_in, protected, takes_over
 from .lock import LockStep
 from .rate import RateStep
 from .state import Admission, Refusal
@@ -69,7 +69,12 @@ class RatedLockStep:
         delay = delay and adm.call.mode is not DedupMode.OBSERVE
         plan = LockStep().plan(adm)
         # (A count kept in another store than the locks cannot join their script.)
-        if not _same(counter, store) or not plan.acquires:
+        # An observed take-over only acquires, but is judged in the two steps' order
+        # as enforcing judges it (its rate first).
+        observed_take_over = adm.call.mode is DedupMode.OBSERVE and takes_over(
+            adm.call.on_duplicate, adm.options
+        )
+        if not _same(counter, store) or not plan.acquires or observed_take_over:
             return self._steps(adm)
         adm.notes["ttl"] = plan.ttl
         try:

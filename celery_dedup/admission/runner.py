@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from celery.utils import uuid
 
 from ..header import NO_LOCK
-from . import canvas, effects, observe
+from . import canvas, effects, observe, rate
 from .lock import LockStep
 from .publish import PublishStep
 from .rate import RateStep
@@ -62,6 +62,11 @@ def run(adm: Admission, steps: Sequence[Step]) -> tuple[bool, object]:
 def _observed(adm: Admission, refusal: Refusal) -> None:
     """Let an observed refusal in: no lock, its own task id, counted once."""
     adm.header, adm.locked, adm.previous, adm.cancelled = NO_LOCK, False, None, None
+    if refusal.kind == "rate" and refusal.holder is None:
+        # As enforcing answers it: a full window over a held key is its duplicate.
+        held = rate.holder_of(adm)
+        if held is not None:
+            refusal = Refusal("duplicate", refusal.answer, holder=held)
     holder = refusal.holder
     if holder is not None and holder.task_id == adm.task_id:
         # A deterministic id is the holder's: two messages must never share one.
