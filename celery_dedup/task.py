@@ -551,7 +551,9 @@ class DedupTask(_Task):
                           options, publish)
             )  # fmt: skip
         settings = config.runtime.settings
-        if native.uses_native(settings.native, settings.broker_scheme, queue_name):
+        # Observed, the store decides and counts: the broker would drop a duplicate unseen.
+        observed = call.mode is DedupMode.OBSERVE
+        if not observed and native.uses_native(settings.native, settings.broker_scheme, queue_name):
             rates.refuse_native(self)  # the broker deduplicates: no store counts the rate
             return self._publish_native(call, key, queue_name, task_id, options, publish)
         if task_id is None:
