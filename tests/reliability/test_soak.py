@@ -140,6 +140,7 @@ def test_soak_finds_no_violation(
     outcomes = Counter(c.outcome for c in trace.calls)
     assert outcomes["published"] > plan.calls // 10 and outcomes["deduplicated"] > 0, report
     assert outcomes["raised"] > 0 and len(trace.revokes) > 0, report
+    assert outcomes["observed"] > 0, report  # dedup_mode="observe" published refusals
     assert any(c.keep_last and c.outcome == "published" for c in trace.calls), report
     # cancel_running terminated running bodies; capped debounces published.
     assert any(c.cancel and c.outcome == "published" for c in trace.calls), report
