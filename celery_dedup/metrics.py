@@ -227,7 +227,8 @@ def key_counter(task_name: str, key: str) -> str:
     hex digits name it (``celery dedup list`` and ``show`` print the same).
     """
     digest = key.rsplit(":", 1)[-1][:16]
-    return f"{task_name}{KEY_MARK}{digest}"
+    # Within the 255 characters the SQL and Django stores keep of a task name.
+    return f"{task_name[:255 - len(KEY_MARK) - len(digest)]}{KEY_MARK}{digest}"
 
 
 def per_key(
