@@ -223,6 +223,36 @@ def test_an_observed_send_task_copy_runs_and_keeps_the_holders_lock(
     ]
 
 
+def test_an_observed_message_whose_lock_lapsed_runs_and_leaves_the_new_holders_lock(
+    app_factory: AppFactory, worker_for: Any, runs: redis.Redis, store_conf: dict[str, Any],
+    observed: list[dict[str, Any]],
+) -> None:
+    """A's lock lapsed before it ran and B took the key: enforcing skips A, observing runs it
+    (counted once) and A's end never releases B's lock."""
+    app = app_factory("obs-lapsed", **store_conf)
+
+    @app.task(base=DedupTask, shared=False, dedup_mode="observe")
+    def job(x: int) -> int:
+        runs.rpush("obs-lapsed", x)
+        return x
+
+    lapsed = job.apply_async((1,), unique_for=1)
+    wait_until(lambda: inspect_lock(lapsed.deduplication_key, app=app) is None, timeout=10)
+    holder = job.apply_async((1,), unique_for=600, unique_until="expiry")
+    assert holder.deduplicated is False and observed == []  # the key was free
+    worker_for(app)
+    assert lapsed.get(timeout=30) == 1 and holder.get(timeout=30) == 1
+    assert lapsed.state == states.SUCCESS  # not IGNORED
+    assert runs.lrange("obs-lapsed", 0, -1) == [b"1", b"1"]
+    wait_until(lambda: observed, timeout=10)
+    assert [(s["would"], s["task_id"], s["existing_task_id"], s["policy"]) for s in observed] == [
+        ("deduplicate", lapsed.id, holder.id, "held by another publish")
+    ]
+    lock = inspect_lock(holder.deduplication_key, app=app)
+    assert lock is not None and lock.task_id == holder.id  # still B's, for its expiry
+    assert _counts(app)[(job.name, "would_deduplicate")] == 1
+
+
 def test_invalid_modes_name_task_option_value_and_choices(app_factory: AppFactory) -> None:
     """A task attribute, a call option or the app setting with a bad value raise, typed."""
     app = app_factory("obs-bad")
