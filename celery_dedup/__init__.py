@@ -48,7 +48,7 @@ from .exceptions import (
 from .fence import current_fence, fenced_hset, fenced_update
 from .identity import Identity, time_bucket
 from .limits import OnRateLimit
-from .options import Fallback, OnDuplicate, OnKeyReuse
+from .options import DedupMode, Fallback, OnDuplicate, OnKeyReuse
 from .policy import UniqueUntil
 from .results import DeduplicatedResult
 from .signals import (
@@ -58,6 +58,7 @@ from .signals import (
     lock_released,
     lock_replaced,
     task_deduplicated,
+    task_observed,
     task_skipped,
 )
 from .stores.base import Lock, RevokeOutcome
@@ -72,6 +73,7 @@ __all__ = [
     "CancelTimeout",
     "DedupError",
     "DedupKeyError",
+    "DedupMode",
     "DedupTask",
     "DeduplicatedResult",
     "DeduplicationUnavailable",
@@ -116,6 +118,7 @@ __all__ = [
     "release",
     "revoke",
     "task_deduplicated",
+    "task_observed",
     "task_skipped",
     "time_bucket",
 ]

@@ -38,7 +38,7 @@ from kombu.utils.json import dumps
 
 from .api import release as release_lock
 from .exceptions import ScanNotSupported, StoreError
-from .metrics import EVENTS, live_locks
+from .metrics import EVENTS, OBSERVED, live_locks, per_key
 from .reaper import reap as reap_locks
 from .reaper import result_of_this_run, should_release
 from .runtime import Runtime, runtime_for
@@ -467,14 +467,19 @@ class Operator:
             self.echo(f"{self.ok} reaped {short(lock.key)} held by {holder}")
         self.echo(f"{_plural(len(reaped))} reaped.")
 
-    def stats(self, as_json: bool = False) -> None:
-        """Per-task counters every process flushed to the store, and live locks."""
+    def stats(self, as_json: bool = False, top: int = 0) -> None:
+        """Per-task counters every process flushed to the store, and live locks.
+
+        ``top``: also the ``top`` keys with the most observed calls
+        (``dedup_mode="observe"``: the ``would_*`` counters kept per key).
+        """
         try:
             counts = self.runtime.metrics.read()
         except TypeError as exc:
             raise CommandFailed(f"{exc}: no counters to show") from exc
         except StoreError as exc:
             raise CommandFailed(str(exc)) from exc
+        counts, keys = per_key(counts)
         live = live_locks(self.scan())
         tasks = sorted({name for name, _ in counts} | set(live))
         table = {
@@ -482,8 +487,9 @@ class Operator:
                    "live_locks": live.get(name, 0)}
             for name in tasks
         }
+        hot = top_keys(keys, top) if top > 0 else None
         if as_json:
-            self.echo(dumps(table))
+            self.echo(dumps(table if hot is None else {"tasks": table, "top_keys": hot}))
             return
         if not table:
             self.echo("No counters yet.")
@@ -492,6 +498,20 @@ class Operator:
         rows = [(name, *(str(value) for value in row.values())) for name, row in table.items()]
         for line in render_table(rows, header):
             self.echo(line)
+        if hot is not None:
+            self.echo("")
+            if not hot:
+                self.echo("No observed calls yet (dedup_mode='observe').")
+            else:
+                self.echo(f"Top {len(hot)} keys by observed calls (dedup_mode='observe'):")
+                header = ("TASK", "KEY", *(event.upper() for event in OBSERVED), "TOTAL")
+                rows = [
+                    (item["task"], item["key"], *(str(item[event]) for event in OBSERVED),
+                     str(item["total"]))
+                    for item in hot
+                ]  # fmt: skip
+                for line in render_table(rows, header):
+                    self.echo(line)
         self._memory_note()
 
     # -- helpers -----------------------------------------------------------
@@ -506,6 +526,21 @@ class Operator:
                 short(lock.key), found.holder, found.phase,
             )
         return released
+
+
+def top_keys(keys: Mapping[tuple[str, str], Mapping[str, int]], n: int) -> list[dict[str, Any]]:
+    """The ``n`` keys with the most observed calls, most first (then by task and key)."""
+    ranked = sorted(
+        ((sum(counts.get(event, 0) for event in OBSERVED), task, digest, counts)
+         for (task, digest), counts in keys.items()),
+        key=lambda item: (-item[0], item[1], item[2]),
+    )  # fmt: skip
+    return [
+        {"task": task, "key": digest, **{event: counts.get(event, 0) for event in OBSERVED},
+         "total": total}
+        for total, task, digest, counts in ranked
+        if total > 0
+    ][:n]  # fmt: skip
 
 
 # -- check: is deduplication working? -------------------------------------------
@@ -698,13 +733,19 @@ def reap(ctx: click.Context, /, task: str | None, dry_run: bool, **kwargs: Any) 
 @dedup.command(cls=CeleryCommand)
 @_json_option
 @click.pass_context
-def stats(ctx: click.Context, /, as_json: bool, **kwargs: Any) -> None:
+@click.option("--top", cls=CeleryOption, type=click.IntRange(min=0), default=0,
+              help_group=_GROUP,
+              help="Also list the N keys with the most observed calls (dedup_mode='observe').")
+def stats(ctx: click.Context, /, as_json: bool, top: int, **kwargs: Any) -> None:
     """Per-task counters and live locks.
 
     Counters: acquired, deduplicated, released (by workers), released_manual
-    (release/revoke/purge/reap), fallback, skipped, deferred, rate_limited.
+    (release/revoke/purge/reap), fallback, skipped, deferred, rate_limited,
+    and under dedup_mode='observe' would_deduplicate, would_replace,
+    would_cancel, would_rate_limit (calls published anyway). --top N lists
+    the keys (digests) with the most observed calls.
     """
-    _run(ctx, lambda op: op.stats(as_json))
+    _run(ctx, lambda op: op.stats(as_json, top))
 
 
 @dedup.command(cls=CeleryCommand)

@@ -42,6 +42,12 @@
   never names another call as its parent: a refused call is different
   work, not a duplicate of the last publish.
 
+* ``task-observed``: under ``dedup_mode="observe"``, a call enforcing would
+  have suppressed, refused by its rate, or used to replace or cancel a
+  holder, published anyway. Sent under a fresh uuid (the published call has
+  its own events) with ``parent_id`` the holder, ``published_id`` the call
+  that runs, ``would`` and ``policy``; Flower shows it as state ``OBSERVED``.
+
 All of them are sent when ``dedup_send_events`` is on. Unset, it is on when the
 app's configuration turns Celery's task events on for Flower
 (``worker_send_task_events`` or ``task_send_sent_event``): a project whose
@@ -70,10 +76,12 @@ from .signals import holder_cancelled, key_reused, lock_replaced, task_skipped
 if TYPE_CHECKING:
     from celery import Celery
 
-__all__ = ["CANCELLED_EVENT_TYPE", "DEFERRED_EVENT_TYPE", "EVENT_TYPE", "RATE_LIMITED_EVENT_TYPE",
+__all__ = ["CANCELLED_EVENT_TYPE", "DEFERRED_EVENT_TYPE", "EVENT_TYPE", "OBSERVED_EVENT_TYPE",
+           "RATE_LIMITED_EVENT_TYPE",
            "REPLACED_EVENT_TYPE",
            "SKIPPED_EVENT_TYPE", "W_EVENTS_OFF", "default_send_events", "dispatcher_hostname",
-           "send_deduplicated", "send_displaced", "send_rate_limited", "send_skipped",
+           "send_deduplicated", "send_displaced", "send_observed", "send_rate_limited",
+           "send_skipped",
            "sender_hostname",
            "warn_if_events_off"]
 
@@ -99,6 +107,9 @@ CANCELLED_EVENT_TYPE: Final = "task-cancelled"
 
 #: the event of a call ``rate_limit_per_key`` refused (Flower state ``RATE-LIMITED``)
 RATE_LIMITED_EVENT_TYPE: Final = "task-rate-limited"
+
+#: the event of a call ``dedup_mode="observe"`` published anyway (Flower state ``OBSERVED``)
+OBSERVED_EVENT_TYPE: Final = "task-observed"
 
 
 W_EVENTS_OFF = (
@@ -226,6 +237,45 @@ def send_rate_limited(
         retry_after=round(retry_after, 3),
         policy=policy,
         result=f"refused: over rate_limit_per_key, retry in {retry_after:.1f}s ({policy})",
+    )
+
+
+def send_observed(
+    app: Celery,
+    *,
+    task_name: str,
+    task_id: str,
+    holder_id: str | None,
+    would: str,
+    policy: str,
+    args: Any,
+    kwargs: Any,
+) -> None:
+    """Emit one ``task-observed`` event for a call ``dedup_mode="observe"`` published anyway.
+
+    Under a fresh uuid, never the published call's own (its events show
+    its run; an event of ours under its uuid would overwrite its state and
+    worker in Flower), with ``parent_id`` the key's holder when there is
+    one, so Flower lists the observed calls under the holder's children as
+    it lists suppressed ones. ``published_id`` names the call that ran.
+    """
+    fields: dict[str, Any] = {}
+    if holder_id is not None:
+        fields["parent_id"] = holder_id
+    of = f" of {holder_id}" if holder_id is not None else ""
+    _send_from_producer(
+        app,
+        OBSERVED_EVENT_TYPE,
+        uuid=gen_uuid(),
+        name=task_name,
+        args=saferepr(args or ()),
+        kwargs=saferepr(kwargs or {}),
+        received=time.time(),
+        published_id=task_id,
+        would=would,
+        policy=policy,
+        result=f"observed: would {would.replace('_', ' ')}{of} ({policy}); published as {task_id}",
+        **fields,
     )
 
 

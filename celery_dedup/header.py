@@ -52,6 +52,9 @@ class LockHeader:
     #: ``unique_until="success"``: seconds the key stays held after a failed
     #: run (``retry_window``), or ``None`` (the rest of ``unique_for``)
     retry_window: float | None = None
+    #: ``dedup_mode="observe"``: a start claim that finds another publish
+    #: holding the key runs the body anyway (and counts it)
+    observe: bool = False
 
     def owner(self, task_id: str) -> str:
         """The owner the store knows this message's lock by."""
@@ -73,6 +76,8 @@ class LockHeader:
             encoded["last"] = True
         if self.retry_window is not None:
             encoded["rw"] = self.retry_window
+        if self.observe:
+            encoded["obs"] = True
         return encoded
 
     @classmethod
@@ -101,6 +106,7 @@ class LockHeader:
             token=_text(raw, "tok", MAX_TOKEN) if raw.get("tok") is not None else None,
             last=_flag(raw, "last"),
             retry_window=_seconds(raw["rw"], "rw") if raw.get("rw") is not None else None,
+            observe=_flag(raw, "obs"),
         )
 
 

@@ -17,7 +17,7 @@ from enum import Enum
 from typing import Any, Protocol
 
 from .header import LockHeader
-from .options import ResolvedOptions
+from .options import DedupMode, ResolvedOptions
 from .policy import UniqueUntil
 from .runtime import Runtime
 from .stores.base import LockStore, RunRef
@@ -36,6 +36,9 @@ class TaskConfigLike(Protocol):
 
     @property
     def fence(self) -> bool: ...
+
+    @property
+    def mode(self) -> DedupMode: ...
 
     def resolve(self, given: Mapping[str, Any]) -> ResolvedOptions: ...
 

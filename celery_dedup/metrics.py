@@ -11,6 +11,11 @@ CLI, the Django admin and the reaper. ``deferred`` counts the messages a
 worker published again for later instead of running them (a copy of a
 running publish, a store that did not answer, a full ``concurrency_limit``);
 ``rate_limited`` the calls over ``rate_limit_per_key`` (refused or delayed).
+Under ``dedup_mode="observe"``, ``would_deduplicate``, ``would_replace``,
+``would_cancel`` and ``would_rate_limit`` count the calls published anyway
+that enforcing would have suppressed, used to replace or cancel a holder, or
+refused by their rate; they are also kept per key (``key_counter``), which
+``celery dedup stats --top N`` lists.
 
 Counted in-process and added to the store in batches, so counting never
 costs a round trip per call:
@@ -52,10 +57,14 @@ __all__ = [
     "DEFAULT_FLUSH_INTERVAL",
     "EVENTS",
     "FLUSH_INTERVAL_SETTING",
+    "KEY_MARK",
+    "OBSERVED",
     "Metrics",
     "flush_all",
     "flush_interval",
+    "key_counter",
     "live_locks",
+    "per_key",
 ]
 
 logger = logging.getLogger("celery_dedup")
@@ -66,7 +75,14 @@ EVENTS: Final = (
     "key_reused", "coalesced",
     "replaced", "cancelled",
     "deferred", "rate_limited",
+    "would_deduplicate", "would_replace", "would_cancel", "would_rate_limit",
 )
+
+#: the counters of ``dedup_mode="observe"`` (what enforcing would have done), also kept per key
+OBSERVED: Final = ("would_deduplicate", "would_replace", "would_cancel", "would_rate_limit")
+
+#: joins a task name and a key's digest into the name a per-key counter is kept under
+KEY_MARK: Final = "#key:"
 
 #: the setting that bounds how often counts are written to the store
 FLUSH_INTERVAL_SETTING: Final = "dedup_metrics_flush_interval"
@@ -202,6 +218,32 @@ class Metrics:
         self._pending = Counter()
         self._flushing = False
         self._due = self._clock() + self.interval
+
+
+def key_counter(task_name: str, key: str) -> str:
+    """The name the per-key counts of ``key`` are kept under: the task and the key's digest.
+
+    A store key ends with the sha256 of the call's identity; the first 16
+    hex digits name it (``celery dedup list`` and ``show`` print the same).
+    """
+    digest = key.rsplit(":", 1)[-1][:16]
+    # Within the 255 characters the SQL and Django stores keep of a task name.
+    return f"{task_name[:255 - len(KEY_MARK) - len(digest)]}{KEY_MARK}{digest}"
+
+
+def per_key(
+    counts: Mapping[tuple[str, str], int],
+) -> tuple[dict[tuple[str, str], int], dict[tuple[str, str], dict[str, int]]]:
+    """Split stored counts into per-task ones and per-key ones (``(task, digest)`` → counts)."""
+    tasks: dict[tuple[str, str], int] = {}
+    keys: dict[tuple[str, str], dict[str, int]] = {}
+    for (name, event), n in counts.items():
+        task_name, mark, digest = name.partition(KEY_MARK)
+        if mark:
+            keys.setdefault((task_name, digest), {})[event] = n
+        else:
+            tasks[(name, event)] = n
+    return tasks, keys
 
 
 def live_locks(locks: Iterable[Lock]) -> dict[str, int]:

@@ -38,6 +38,7 @@ __all__ = [
     "SETTINGS",
     "TASK_OPTIONS",
     "DedupConfigWarning",
+    "DedupMode",
     "Fallback",
     "OnDuplicate",
     "OnKeyReuse",
@@ -92,6 +93,15 @@ class OnDuplicate(str, Enum):
     KEEP_LAST = "keep_last"
     #: revoke the queued holder or terminate the running one, wait for the key, publish
     CANCEL_RUNNING = "cancel_running"
+
+
+class DedupMode(str, Enum):
+    """Whether celery-dedup's decisions are applied or only counted."""
+
+    #: suppress duplicates, refuse over-limit calls, replace and cancel holders
+    ENFORCE = "enforce"
+    #: publish every call anyway; count (and signal) what enforcing would have done
+    OBSERVE = "observe"
 
 
 class Fallback(str, Enum):
@@ -259,6 +269,8 @@ SETTINGS: Final[Mapping[str, tuple[Any, Callable[[Any, str], Any]]]] = {
     # Whether a caller's deduplication_key held for different arguments
     # raises, warns (default: loud, but no upgrade breaks) or is ignored.
     "dedup_on_key_reuse": (OnKeyReuse.WARN, lambda v, o: validate_choice(OnKeyReuse, v, o)),
+    # "observe": every refusal is published anyway and counted (a rollout's first step).
+    "dedup_mode": (DedupMode.ENFORCE, lambda v, o: validate_choice(DedupMode, v, o)),
     "dedup_fallback": (Fallback.OPEN, lambda v, o: validate_choice(Fallback, v, o)),
     "dedup_send_events": (None, validate_send_events),
     "dedup_metrics_flush_interval": (5.0, validate_flush_interval),
@@ -310,6 +322,7 @@ CALL_OPTIONS: Final[Mapping[str, Callable[[Any, str], Any]]] = {
     "debounce_max_wait": validate_max_wait,
     "cancel_wait": validate_wait,
     "cancel_signal": validate_signal,
+    "dedup_mode": lambda v, o: validate_choice(DedupMode, v, o),
 }
 
 
@@ -463,3 +476,5 @@ class ResolvedOptions:
     cancel_signal: str = "SIGUSR1"
     #: ``unique_until="success"`` only: seconds a failed run's key stays held
     retry_window: float | None = None
+    #: ``observe``: every refusal is published anyway and counted
+    mode: DedupMode = DedupMode.ENFORCE

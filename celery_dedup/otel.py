@@ -96,7 +96,11 @@ def publishing(adm: Admission) -> None:
     previous = adm.previous.task_id if adm.previous is not None else None
     outcome = "deferred" if adm.notes.get("rate_place") is not None else "published"
     pending = _waiting()
-    pending[adm.task_id] = (adm.task, _attributes(adm, outcome, replaced_task_id=previous))
+    # An observed call (``dedup_mode="observe"``) says what enforcing would have done.
+    attributes = _attributes(
+        adm, outcome, replaced_task_id=previous, would=adm.notes.get("observed")
+    )
+    pending[adm.task_id] = (adm.task, attributes)
     while len(pending) > _PENDING_MAX:
         pending.popitem(last=False)
 

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from prometheus_client.core import REGISTRY, CounterMetricFamily, GaugeMetricFamily
 
-from .metrics import EVENTS, live_locks
+from .metrics import EVENTS, live_locks, per_key
 from .runtime import runtime_for
 
 if TYPE_CHECKING:
@@ -66,6 +66,14 @@ _HELP: Final = {
     "deferred": "Messages a worker published again for later instead of running them "
     "(a running copy, a store that did not answer, a full concurrency_limit).",
     "rate_limited": "Calls over rate_limit_per_key (refused or delayed).",
+    "would_deduplicate": "dedup_mode='observe': calls published anyway that enforcing "
+    "would have suppressed as duplicates.",
+    "would_replace": "dedup_mode='observe': calls published anyway that enforcing would "
+    "have used to replace their key's holder (replace, keep_last).",
+    "would_cancel": "dedup_mode='observe': calls published anyway that enforcing would "
+    "have used to cancel their key's holder (cancel_running).",
+    "would_rate_limit": "dedup_mode='observe': calls published anyway that enforcing "
+    "would have refused or delayed by rate_limit_per_key.",
 }
 
 #: every metric name as exposed (counters get ``_total`` from the client)
@@ -98,6 +106,7 @@ class DedupCollector:
         except Exception as exc:  # unreachable store or no counters: expose nothing
             logger.warning("celery-dedup: cannot read metrics for Prometheus: %s", exc)
             counts = {}
+        counts, _ = per_key(counts)  # per-key counts: `celery dedup stats --top`, not labels
         families = {
             event: CounterMetricFamily(f"celery_dedup_{event}", _HELP[event], labels=["task"])
             for event in EVENTS

@@ -90,6 +90,11 @@ OPTIONS: Final[tuple[Option, ...]] = (
            '`"existing"`, `"raise"`, `"replace"`, `"keep_last"`, `"cancel_running"` '
            "(`OnDuplicate`)",
            "what a duplicate call does"),
+    Option("dedup_mode", True, True, '`"enforce"`, `"observe"` (`DedupMode`)',
+           '`"observe"`: keys, locks and checks as usual, but a call that would be suppressed, '
+           "rate-limited, or would replace or cancel another is **published anyway** and "
+           "counted (`would_*` counters, `task_observed`, `task-observed`); default "
+           "`dedup_mode` ([Observe-only rollout](rollout.md))"),
     Option("debounce_max_wait", True, True, "seconds > 0 or `None`",
            '`"replace"` only: a run starts at most this long after its burst\'s first call '
            "([cap](cancel_and_debounce.md#debounce_max_wait-a-debounce-that-still-runs))",
@@ -170,6 +175,10 @@ SETTINGS: Final[tuple[Setting, ...]] = (
             "run (a cooldown); tasks under another policy, or whose `unique_for` is not "
             "longer, ignore it. See [a window per outcome]"
             "(usage.md#a-window-per-outcome-retry_window)"),
+    Setting("dedup_mode", '`"enforce"`',
+            '`"observe"` publishes every call a check would refuse and counts it instead; '
+            "switching to `\"enforce\"` is this one setting. See "
+            "[Observe-only rollout](rollout.md)"),
     Setting("dedup_default_identity", '`"strict"`',
             "see [identity](#identity-which-calls-are-the-same)"),
     Setting("dedup_default_on_duplicate", '`"existing"`',

@@ -25,7 +25,14 @@ from .exceptions import DeduplicationUnavailable, ImproperlyConfigured, StoreErr
 from .identity import Identity
 from .metrics import Metrics, flush_interval
 from .native import Native
-from .options import Fallback, OnDuplicate, OnKeyReuse, read_setting, warn_unknown_settings
+from .options import (
+    DedupMode,
+    Fallback,
+    OnDuplicate,
+    OnKeyReuse,
+    read_setting,
+    warn_unknown_settings,
+)
 from .policy import UniqueUntil
 from .signals import dedup_fallback
 from .stores import derive_store_url, store_from_url
@@ -73,6 +80,7 @@ WATCHED_SETTINGS = (
     "dedup_cancel_wait",
     "dedup_cancel_signal",
     "dedup_retry_window",
+    "dedup_mode",
     "broker_transport_options",
     # Read by Celery on each publish (``task_routes`` and a bound task's
     # serializer are not: Celery keeps them from the first use on).
@@ -146,6 +154,8 @@ class AppSettings:
     cancel_signal: str = "SIGUSR1"
     #: ``"success"``/``"expiry"``: seconds a failed run's key stays held (``dedup_retry_window``)
     retry_window: float | None = None
+    #: ``"observe"``: refusals are published anyway and counted (``dedup_mode``)
+    mode: DedupMode = DedupMode.ENFORCE
 
     @classmethod
     def from_conf(cls, conf: Any) -> AppSettings:
@@ -173,6 +183,7 @@ class AppSettings:
             cancel_wait=read_setting(conf, "dedup_cancel_wait"),
             cancel_signal=read_setting(conf, "dedup_cancel_signal"),
             retry_window=read_setting(conf, "dedup_retry_window"),
+            mode=read_setting(conf, "dedup_mode"),
         )
 
 

@@ -27,6 +27,7 @@ __all__ = [
     "lock_released",
     "lock_replaced",
     "task_deduplicated",
+    "task_observed",
     "task_skipped",
 ]
 
@@ -120,4 +121,21 @@ task_skipped = Signal(
 key_reused = Signal(
     name="key_reused",
     providing_args=["key", "existing_task_id", "action"],
+)
+
+#: ``dedup_mode="observe"``: a call that enforcing would have refused or
+#: used to displace another was **published anyway** (nothing suppressed,
+#: refused, revoked or cancelled). ``would`` names what ``"enforce"`` would
+#: have done: ``"deduplicate"`` (``on_duplicate`` ``"existing"``/``"raise"``:
+#: not published), ``"replace"`` (``"replace"``/``"keep_last"``: the holder
+#: revoked or followed), ``"cancel"`` (``"cancel_running"``: the holder
+#: revoked or terminated) or ``"rate_limit"`` (over ``rate_limit_per_key``:
+#: refused or delayed). ``task_id`` is the published call's id,
+#: ``existing_task_id`` the key's holder (``None`` for ``"rate_limit"``),
+#: ``policy`` the ``on_duplicate`` (or ``on_rate_limit``) value, ``args`` and
+#: ``kwargs`` the call's own. Sent once per observed call, in the publishing
+#: process, before the publish.
+task_observed = Signal(
+    name="task_observed",
+    providing_args=["key", "task_id", "existing_task_id", "would", "policy", "args", "kwargs"],
 )

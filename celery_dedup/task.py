@@ -37,6 +37,7 @@ from .identity import (
 from .lifecycle import Held, Outcome
 from .lint_calls import lint_first_call
 from .options import (
+    DedupMode,
     OnDuplicate,
     OnKeyReuse,
     ResolvedOptions,
@@ -94,6 +95,7 @@ _ATTRIBUTES: Mapping[str, Callable[[Any, str], Any]] = {
     "cancel_signal": lambda v, o: None if v is None else validate_signal(v, o),
     "retry_window": validate_max_wait,
     "fence": lambda v, o: None if v is None else validate_bool(v, o),
+    "dedup_mode": lambda v, o: None if v is None else validate_choice(DedupMode, v, o),
 }
 
 
@@ -137,6 +139,8 @@ class TaskConfig:
     retry_window: float | None = None
     #: whether each admitted run gets a fencing token (``fence=True``)
     fence: bool = False
+    #: ``"observe"``: refusals are published anyway and counted (``dedup_mode``)
+    mode: DedupMode = DedupMode.ENFORCE
 
     def resolve(self, given: Mapping[str, Any]) -> ResolvedOptions:
         """Apply one call's options (already validated) over the task's."""
@@ -154,6 +158,7 @@ class TaskConfig:
             cancel_wait=given.get("cancel_wait", self.cancel_wait),
             cancel_signal=given.get("cancel_signal", self.cancel_signal),
             retry_window=given.get("retry_window", self.retry_window),
+            mode=given.get("dedup_mode", self.mode),
         )
 
     @cached_property
@@ -171,6 +176,7 @@ class TaskConfig:
             cancel_wait=self.cancel_wait,
             cancel_signal=self.cancel_signal,
             retry_window=self.retry_window,
+            mode=self.mode,
         )
 
 
@@ -249,6 +255,12 @@ class DedupTask(_Task):
     #: ``celery_dedup.current_fence()`` in the body, ``celery_dedup.fence`` to make
     #: a side effect conditional on it. Redis, Redis Cluster and memory stores.
     fence: bool | None = None
+
+    #: ``"observe"``: keys, locks and checks as usual, but a call that would be
+    #: suppressed, refused by its rate, or would replace or cancel a holder is
+    #: published anyway and counted (``would_*`` metrics, ``task_observed``);
+    #: ``"enforce"`` applies them; ``None`` asks ``dedup_mode`` (``"enforce"``).
+    dedup_mode: DedupMode | str | None = None
 
     #: Option names this class uses for something else (the celery-singleton
     #: shim's ``on_duplicate(existing_task_id)`` hook): they are neither
@@ -357,6 +369,11 @@ class DedupTask(_Task):
             cancel_signal=_or(attr("cancel_signal"), settings.cancel_signal, validate_signal),
             retry_window=window,
             fence=_fencing(self.name, runtime, bool(attr("fence"))),
+            mode=(
+                settings.mode
+                if attr("dedup_mode") is None
+                else validate_choice(DedupMode, attr("dedup_mode"), "dedup_mode")
+            ),
         )
 
     # -- keys --------------------------------------------------------------
@@ -540,7 +557,9 @@ class DedupTask(_Task):
                           options, publish)
             )  # fmt: skip
         settings = config.runtime.settings
-        if native.uses_native(settings.native, settings.broker_scheme, queue_name):
+        # Observed, the store decides and counts: the broker would drop a duplicate unseen.
+        observed = call.mode is DedupMode.OBSERVE
+        if not observed and native.uses_native(settings.native, settings.broker_scheme, queue_name):
             rates.refuse_native(self)  # the broker deduplicates: no store counts the rate
             return self._publish_native(call, key, queue_name, task_id, options, publish)
         if task_id is None:

@@ -29,15 +29,16 @@ from celery.worker.control import control_command
 from celery.worker.request import Request
 from kombu.serialization import registry  # type: ignore[attr-defined]
 
-from . import backoff, coalesce, handoff, incarnation, leases, lost_results, requeue, runs
+from . import backoff, coalesce, events, handoff, incarnation, leases, lost_results, requeue, runs
 from .exceptions import MalformedHeader, StoreContention, StoreError, StoreUnavailable
 from .fence import FENCE_FIELD
 from .header import HEADER, MAX_TOKEN, LockHeader, new_token, read_header
 from .identity import bound_queue, deterministic_task_id
 from .lifecycle import DedupTaskLike, Held, Outcome, meta_for
-from .options import Fallback
+from .metrics import key_counter
+from .options import DedupMode, Fallback
 from .policy import KEEPS_ON_FAILURE, UniqueUntil, lock_ttl
-from .signals import lock_acquired, lock_released, task_skipped
+from .signals import lock_acquired, lock_released, task_observed, task_skipped
 from .stores.base import (
     OUTCOME_FIELD,
     Claim,
@@ -801,12 +802,50 @@ def _not_owned(
             reason = "unannounced duplicate"
         else:
             reason = "held by another publish"
-        _skip(task, task_id, key, holder.task_id if holder else None, reason)
+        holder_id = holder.task_id if holder else None
+        if not header.replace and _observes(task, header, owner):
+            _observed_run(task, task_id, key, holder_id, reason)
+            return  # observed: the body runs; the holder's lock stays the holder's
+        _skip(task, task_id, key, holder_id, reason)
     if claim.outcome is ClaimOutcome.FREE and retake:
         task.dedup_config().runtime.metrics.incr(task.name, "acquired")
         lock_acquired.send(
             sender=task, key=key, task_id=task_id, ttl=header.unique_for, policy=header.until.value
         )
+
+
+def _observes(task: DedupTaskLike, header: LockHeader, owner: str) -> bool:
+    """Whether a run that finds its key held runs anyway (``dedup_mode="observe"``).
+
+    Said by the call that published it (its header); a message without
+    one (``send_task``, guarded) asks its task's mode (attribute or app setting).
+    """
+    if header.observe:
+        return True
+    return owner.startswith(GUARD_PREFIX) and task.dedup_config().mode is DedupMode.OBSERVE
+
+
+def _observed_run(
+    task: DedupTaskLike, task_id: str, key: str, holder_id: str | None, reason: str
+) -> None:
+    """Count a run enforcing would have skipped: it runs (``would_deduplicate``)."""
+    logger.info(
+        "celery-dedup: %s[%s] runs although another publish holds its key (lock %s: %s; "
+        "dedup_mode='observe')", task.name, task_id, short(key), reason,
+    )  # fmt: skip
+    runtime = task.dedup_config().runtime
+    runtime.metrics.incr(task.name, "would_deduplicate")
+    runtime.metrics.incr(key_counter(task.name, key), "would_deduplicate")
+    task_observed.send(
+        sender=task, key=key, task_id=task_id, existing_task_id=holder_id,
+        would="deduplicate", policy=reason, args=task.request.args, kwargs=task.request.kwargs,
+    )  # fmt: skip
+    if runtime.settings.send_events:
+        events.send_observed(
+            task.app, task_name=task.name, task_id=task_id, holder_id=holder_id,
+            would="deduplicate", policy=reason, args=task.request.args,
+            kwargs=task.request.kwargs,
+        )  # fmt: skip
 
 
 def header_of(request: Any) -> LockHeader | None:

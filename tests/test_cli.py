@@ -314,11 +314,42 @@ def test_stats_counts_and_live_locks(app: Celery) -> None:
     assert table.output.splitlines()[0].split() == [
         "TASK", "ACQUIRED", "DEDUPLICATED", "RELEASED", "RELEASED_MANUAL", "FALLBACK", "SKIPPED",
         "KEY_REUSED", "COALESCED", "REPLACED", "CANCELLED", "DEFERRED", "RATE_LIMITED",
-        "LIVE_LOCKS",
+        "WOULD_DEDUPLICATE", "WOULD_REPLACE", "WOULD_CANCEL", "WOULD_RATE_LIMIT", "LIVE_LOCKS",
     ]
     assert table.output.splitlines()[1].split() == [
-        SYNC, "1", "4", "0", "1", "0", "0", "0", "0", "0", "0", "0", "0", "0"
+        SYNC, "1", "4", "0", "1", "0", "0", "0", "0", "0", "0", "0", "0", "0", "0", "0", "0", "0"
     ]
+
+
+def test_stats_top_lists_the_keys_with_the_most_observed_calls(app: Celery) -> None:
+    """``stats --top N``: per-key counts of ``dedup_mode="observe"``, most first (SQL too)."""
+    sync = app.tasks[SYNC]
+    hot = sync.delay(1)
+    for _ in range(3):
+        assert sync.apply_async((1,), dedup_mode="observe").deduplicated is False
+    sync.delay(2)
+    assert sync.apply_async((2,), dedup_mode="observe").deduplicated is False
+    sync.delay(3)  # no observed call: not listed
+    result = dedup("stats", "--top", "5", "--json")
+    assert result.exit_code == 0, result.output
+    answer = json.loads(result.output)
+    assert answer["tasks"][SYNC]["would_deduplicate"] == 4
+    digest = hot.deduplication_key.rsplit(":", 1)[-1][:16]
+    assert [(k["task"], k["would_deduplicate"], k["total"]) for k in answer["top_keys"]] == [
+        (SYNC, 3, 3), (SYNC, 1, 1)
+    ]
+    assert answer["top_keys"][0]["key"] == digest
+    table = dedup("stats", "--top", "1").output.splitlines()
+    at = table.index("Top 1 keys by observed calls (dedup_mode='observe'):")
+    assert table[at + 1].split() == [
+        "TASK", "KEY", "WOULD_DEDUPLICATE", "WOULD_REPLACE", "WOULD_CANCEL", "WOULD_RATE_LIMIT",
+        "TOTAL",
+    ]
+    assert table[at + 2].split() == [SYNC, digest, "3", "0", "0", "0", "3"]
+    assert len(table) == at + 3
+    # Without --top the JSON keeps its shape: one row per task, no per-key row.
+    rows = json.loads(dedup("stats", "--json").output)
+    assert set(rows) == {SYNC}
 
 
 def test_commands_import_default_modules(app: Celery) -> None:

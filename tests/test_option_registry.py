@@ -12,6 +12,7 @@ from celery import Celery
 from celery.signals import before_task_publish
 
 from celery_dedup import (
+    DedupMode,
     DedupTask,
     Identity,
     OnDuplicate,
@@ -37,13 +38,17 @@ def test_registry_names_every_validated_option_and_setting() -> None:
     assert set(options.TASK_OPTIONS) == set(registry.TASK_NAMES)
     assert frozenset(registry.SETTING_NAMES) == options.KNOWN_SETTINGS
     assert set(startup.DEDUP_OPTIONS) == set(registry.TASK_NAMES)
-    names = [o.name for o in registry.OPTIONS] + [s.name for s in registry.SETTINGS]
-    assert len(names) == len(set(names))
+    option_names = [o.name for o in registry.OPTIONS]
+    setting_names = [s.name for s in registry.SETTINGS]
+    assert len(option_names) == len(set(option_names))
+    assert len(setting_names) == len(set(setting_names))
+    # One word at every level on purpose: ``dedup_mode`` per call, per task and app-wide.
+    assert set(option_names) & set(setting_names) == {"dedup_mode"}
 
 
 @pytest.mark.parametrize(("name", "enum"), [
     ("unique_until", UniqueUntil), ("identity", Identity), ("on_duplicate", OnDuplicate),
-    ("on_key_reuse", OnKeyReuse), ("on_rate_limit", OnRateLimit),
+    ("on_key_reuse", OnKeyReuse), ("on_rate_limit", OnRateLimit), ("dedup_mode", DedupMode),
 ])  # fmt: skip
 def test_choice_options_list_every_value(name: str, enum: type[Enum]) -> None:
     """A choice option's documented values are its enum's values, all of them."""

@@ -15,7 +15,7 @@ from .. import cancel, debounce, key_reuse, worker
 from ..exceptions import StoreContention, StoreError
 from ..header import NO_LOCK, LockHeader, new_token
 from ..lifecycle import meta_for
-from ..options import OnDuplicate, OnKeyReuse
+from ..options import DedupMode, OnDuplicate, OnKeyReuse
 from ..policy import KEEPS_ON_FAILURE, UniqueUntil, lock_ttl
 from ..stores.base import Lock, LockMeta, LockStore, replace_holder
 from . import duplicate
@@ -68,12 +68,12 @@ class LockStep:
         # A canvas has no single end its lock could be released at: a key
         # given to a chain or a group holds the canvas as one unit for unique_for.
         until = UniqueUntil.EXPIRY if canvas_key else call.unique_until
-        # Members of one group or chord must never displace each other.
-        keep_last = call.on_duplicate is OnDuplicate.KEEP_LAST and not is_member(options)
-        replaces = keep_last or (
-            call.on_duplicate is OnDuplicate.REPLACE and not is_member(options)
-        )
-        cancels = call.on_duplicate is OnDuplicate.CANCEL_RUNNING and not in_canvas(options)
+        # Members of one group or chord must never displace each other; an
+        # observed call never displaces anyone (a held key is counted instead).
+        policy = OnDuplicate.EXISTING if call.mode is DedupMode.OBSERVE else call.on_duplicate
+        keep_last = policy is OnDuplicate.KEEP_LAST and not is_member(options)
+        replaces = keep_last or (policy is OnDuplicate.REPLACE and not is_member(options))
+        cancels = policy is OnDuplicate.CANCEL_RUNNING and not in_canvas(options)
         max_wait = call.debounce_max_wait if replaces and not keep_last else None
         # Only a lock a failure keeps has a cooldown to shorten it to.
         window = call.retry_window if until in KEEPS_ON_FAILURE and not canvas_key else None
@@ -171,7 +171,7 @@ def failed(adm: Admission, plan: LockPlan, owner: str, exc: StoreError) -> None:
     fall_back(adm, exc)  # (closed: the orphan's sweeper releases a late write)
     adm.header = LockHeader(
         adm.key, plan.until, adm.call.unique_for, plan.takes_over, owner, plan.keep_last,
-        retry_window=plan.window,
+        retry_window=plan.window, observe=adm.call.mode is DedupMode.OBSERVE,
     )  # fmt: skip
 
 
@@ -180,7 +180,7 @@ def taken(adm: Admission, plan: LockPlan, owner: str, capped: bool = False) -> N
     assert adm.key is not None and adm.call.unique_for is not None
     adm.header = LockHeader(
         adm.key, plan.until, adm.call.unique_for, plan.takes_over, owner, plan.keep_last,
-        retry_window=plan.window,
+        retry_window=plan.window, observe=adm.call.mode is DedupMode.OBSERVE,
     )  # fmt: skip
     adm.locked = True
     capped_policy = plan.max_wait is not None and capped

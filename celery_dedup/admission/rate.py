@@ -8,14 +8,15 @@ from dataclasses import dataclass
 from .. import otel, rates
 from ..exceptions import StoreContention, StoreError
 from ..limits import Rate
-from ..stores.base import RateAnswer, RateSupport
+from ..options import DedupMode
+from ..stores.base import Lock, RateAnswer, RateSupport
 from . import duplicate
 from .canvas import is_canvas, takes_over
 from .fallback import fall_back
 from .lock import owner_token
 from .state import Admission, Refusal
 
-__all__ = ["RateStep", "counted", "refused"]
+__all__ = ["RateStep", "counted", "holder_of", "refused"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,9 @@ class RateStep:
         if window is None:
             return None
         counter, rate_key, rate, delay = window
+        adm.notes["rate_key"] = rate_key
+        # Observed, a call over the limit is counted, never delayed (``observe``).
+        delay = delay and adm.call.mode is not DedupMode.OBSERVE
         answer = self._hit(adm, counter, rate_key, rate, delay)
         if answer is None or answer.admitted:
             return None
@@ -102,8 +106,18 @@ def _duplicate_of(adm: Admission) -> object | None:
     """A refused call whose key is held answers as the duplicate it is (``existing``/``raise``).
 
     The window is full, but this call is the same work as the live
-    holder's: its handle (or ``DuplicateTaskError``) is the true answer. A
-    call that would take the key over (``replace``, ``keep_last``,
+    holder's: its handle (or ``DuplicateTaskError``) is the true answer.
+    """
+    holder = holder_of(adm)
+    if holder is None:
+        return None
+    return duplicate.answer(adm, holder, owner_token(adm))
+
+
+def holder_of(adm: Admission) -> Lock | None:
+    """The live holder of a rate-refused call's key, when the call is its duplicate.
+
+    A call that would take the key over (``replace``, ``keep_last``,
     ``cancel_running``) is a new publish: it stays refused; inside a canvas,
     where those policies never take a key over (``canvas.takes_over``), it
     is a duplicate like any other. One more round trip, on refusals only.
@@ -113,9 +127,6 @@ def _duplicate_of(adm: Admission) -> object | None:
     if takes_over(adm.call.on_duplicate, adm.options):
         return None
     try:
-        holder = adm.store.get(adm.key)
+        return adm.store.get(adm.key)
     except StoreError:
         return None
-    if holder is None:
-        return None
-    return duplicate.answer(adm, holder, owner_token(adm))

@@ -24,10 +24,11 @@ from collections.abc import Callable
 from .. import rates
 from ..exceptions import StoreContention, StoreError
 from ..limits import limits_of
+from ..options import DedupMode
 from ..policy import lock_ttl
 from ..stores.base import rated_acquire
 from . import lock, rate
-from .canvas import lets_in, protected
+from .canvas import lets_in, protected, takes_over
 from .lock import LockStep
 from .rate import RateStep
 from .state import Admission, Refusal
@@ -63,9 +64,17 @@ class RatedLockStep:
         window = rates.window_of(adm.task, store, adm.args, adm.kwargs, key)
         assert window is not None
         counter, rate_key, limit, delay = window
+        adm.notes["rate_key"] = rate_key
+        # Observed, a call over the limit is counted, never delayed (``observe``).
+        delay = delay and adm.call.mode is not DedupMode.OBSERVE
         plan = LockStep().plan(adm)
         # (A count kept in another store than the locks cannot join their script.)
-        if not _same(counter, store) or not plan.acquires:
+        # An observed take-over only acquires, but is judged in the two steps' order
+        # as enforcing judges it (its rate first).
+        observed_take_over = adm.call.mode is DedupMode.OBSERVE and takes_over(
+            adm.call.on_duplicate, adm.options
+        )
+        if not _same(counter, store) or not plan.acquires or observed_take_over:
             return self._steps(adm)
         adm.notes["ttl"] = plan.ttl
         try:

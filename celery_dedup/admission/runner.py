@@ -5,12 +5,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from . import canvas, effects
+from celery.utils import uuid
+
+from ..header import NO_LOCK
+from . import canvas, effects, observe, rate
 from .lock import LockStep
 from .publish import PublishStep
 from .rate import RateStep
 from .rated import RatedLockStep, offered
-from .state import Admission, Step
+from .state import Admission, Refusal, Step
 
 __all__ = ["LOCKED", "RATED", "UNLOCKED", "admit", "admit_unlocked", "run"]
 
@@ -26,17 +29,26 @@ def run(adm: Admission, steps: Sequence[Step]) -> tuple[bool, object]:
     """Enter each step in order; on a refusal or error, undo the entered ones in reverse.
 
     A refusal the canvas rules overrule (``canvas.lets_in``) is let in by
-    its own step and the call goes on. Returns ``(True, None)`` when every
-    step passed, ``(False, answer)`` with the refusal's answer otherwise.
+    its own step and the call goes on. Under ``dedup_mode="observe"`` any
+    other refusal is undone, counted and let in unchanged: only the publish
+    is left to run (``observe``). Returns ``(True, None)`` when every step
+    passed, ``(False, answer)`` with the refusal's answer otherwise.
     """
     entered: list[Step] = []
     try:
         for step in steps:
+            if "observed" in adm.notes and not isinstance(step, PublishStep):
+                continue  # observed: published as it is, nothing else written for it
             refusal = step.enter(adm)
             if refusal is not None:
                 if canvas.lets_in(adm, refusal):
                     assert refusal.let_in is not None
                     refusal.let_in()
+                elif observe.observing(adm):
+                    _undo(adm, entered)
+                    entered.clear()
+                    _observed(adm, refusal)
+                    continue
                 else:
                     _undo(adm, entered)
                     return False, refusal.answer()
@@ -45,6 +57,21 @@ def run(adm: Admission, steps: Sequence[Step]) -> tuple[bool, object]:
         _undo(adm, entered)
         raise
     return True, None
+
+
+def _observed(adm: Admission, refusal: Refusal) -> None:
+    """Let an observed refusal in: no lock, its own task id, counted once."""
+    adm.header, adm.locked, adm.previous, adm.cancelled = NO_LOCK, False, None, None
+    if refusal.kind == "rate" and refusal.holder is None:
+        # As enforcing answers it: a full window over a held key is its duplicate.
+        held = rate.holder_of(adm)
+        if held is not None:
+            refusal = Refusal("duplicate", refusal.answer, holder=held)
+    holder = refusal.holder
+    if holder is not None and holder.task_id == adm.task_id:
+        # A deterministic id is the holder's: two messages must never share one.
+        adm.task_id = uuid()
+    observe.record(adm, refusal)
 
 
 def _undo(adm: Admission, entered: list[Step]) -> None:

@@ -50,6 +50,7 @@ from celery_dedup import (
     DuplicateTaskError,
     RateLimited,
     inspect_lock,
+    task_observed,
 )
 from celery_dedup.limits import rate_store_key
 from celery_dedup.runtime import runtime_for
@@ -88,10 +89,12 @@ def _app(app_factory: AppFactory, conf: dict[str, Any]) -> Celery:
     return app_factory(f"adm{next(_names)}", dedup_send_events=False, **conf)
 
 
-def _task(app: Celery, policy: str, limit: str, ids: str) -> Any:
+def _task(app: Celery, policy: str, limit: str, ids: str, mode: str = "enforce") -> Any:
     # Every task has a failure cooldown (``retry_window``): it never changes what a
     # producer does (the worker matrix runs its failures).
     options: dict[str, Any] = {"on_duplicate": policy, "unique_for": 600, "retry_window": 5}
+    if mode != "enforce":
+        options["dedup_mode"] = mode
     if policy == "cancel_running":
         options["cancel_wait"] = 2
     if limit == "concurrency":
@@ -225,6 +228,62 @@ def test_refused_call_leaves_nothing_and_loses_nothing(
     assert _queued(app) == published
     if _rated(limit):
         assert _window(app, job) == published  # exact: one entry per message
+
+
+@pytest.mark.parametrize(("policy", "limit", "path", "ids"), list(_cases()))
+def test_observed_calls_are_published_and_leave_the_store_as_enforcing(
+    app_factory: AppFactory, store_conf: dict[str, Any], policy: str, limit: str, path: str,
+    ids: str,
+) -> None:
+    """``dedup_mode="observe"``: an identical call and a call over the rate are published
+    (never raising), counted once each where enforcing would refuse or take over; the
+    holder keeps its key unrevoked, and a refused call leaves no lock and no window entry."""
+    app = _app(app_factory, store_conf)
+    job = _task(app, policy, limit, ids, mode="observe")
+    seen: list[dict[str, Any]] = []
+
+    def receive(sender: Any = None, **kwargs: Any) -> None:
+        seen.append(kwargs)
+
+    task_observed.connect(receive, weak=False)
+    try:
+        first = _call(app, job, path, ids, 1)
+        first_lock = inspect_lock(_key(job, 1), app=app)
+        assert first_lock is not None
+        again = _call(app, job, path, ids, 1)
+        other = _call(app, job, path, ids, 2)
+    finally:
+        task_observed.disconnect(receive)
+    for result in (first, again, other):
+        assert getattr(result, "deduplicated", False) is False
+    assert _queued(app) == 3
+    after = inspect_lock(_key(job, 1), app=app)
+    assert after is not None and after.owner == first_lock.owner  # never taken over
+    store = runtime_for(app).store
+    assert store is not None
+    assert store.get(revoked_marker_key(_key(job, 1), first_lock.owner)) is None
+    # What enforcing refuses or takes over is counted; what the canvas rules let in is not.
+    kept = path in ("group_member", "chord_member")
+    over_rate = _rated(limit) and not _protected(path)
+    assert len(seen) == (0 if kept else 1) + (1 if over_rate else 0)
+    if over_rate:
+        assert seen[-1]["would"] == "rate_limit" and seen[-1]["key"] == _key(job, 2)
+        assert inspect_lock(_key(job, 2), app=app) is None
+        assert _window(app, job) == 1  # only the first call is in the window
+    if not kept:
+        # As enforcing: a take-over over the rate is refused by the rate first.
+        takes = policy in ("replace", "keep_last") or (
+            policy == "cancel_running" and path != "chain_first"
+        )
+        expected = "deduplicate"
+        if takes:
+            expected = "rate_limit" if over_rate else (
+                "cancel" if policy == "cancel_running" else "replace"
+            )
+        assert seen[0]["would"] == expected and seen[0]["key"] == _key(job, 1)
+        assert seen[0]["existing_task_id"] == (
+            None if expected == "rate_limit" else first_lock.task_id
+        )
 
 
 @pytest.mark.parametrize("policy", POLICIES)

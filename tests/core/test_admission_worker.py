@@ -16,6 +16,9 @@ worker:
   made once the cases ran is published and runs again;
 * ``send_task``: a copy that bypasses ``apply_async`` while the call is
   held (the worker's guard skips it);
+* ``observe``: a held call, then the same call twice with
+  ``dedup_mode="observe"``: published anyway (over the rate too), the
+  holder never displaced, all three run;
 * ``worker_side`` (random ids, ``deterministic_id``, the caller's
   ``task_id``): a body publishing a held call twice and another call: never
   raising, each call's work run once;
@@ -66,7 +69,7 @@ BROKER_DB, BACKEND_DB, RUNS_DB = 36, 37, 38
 POLICIES = ("existing", "raise", "replace", "keep_last", "cancel_running")
 LIMITS = ("none", "rate", "rate_callable", "concurrency", "concurrency_callable")
 BASES = ("dedup", "flask")
-PATHS = ("chain", "chord", "retry", "send_task", "fail")
+PATHS = ("chain", "chord", "retry", "send_task", "fail", "observe")
 #: every job's ``retry_window``: a failed run holds its key this long, not ``unique_for``
 RETRY_WINDOW = 2
 #: the ``fail`` path's ``unique_for``: far longer than the whole module runs
@@ -237,6 +240,11 @@ class Lab:
                 case.results.append(job.delay(user, 1, "retry"))
             elif case.path == "fail":
                 case.results.append(job.apply_async((user, 1, "fail"), unique_for=FAIL_UNIQUE_FOR))
+            elif case.path == "observe":
+                case.results.append(job.apply_async((user, 1), countdown=3))
+                case.results += [
+                    job.apply_async((user, 1), dedup_mode="observe") for _ in range(2)
+                ]
             elif case.path == "send_task":
                 # Held long enough that the copy is handled while it holds the key,
                 # however long the worker's backlog of every case's messages is.
@@ -338,6 +346,12 @@ def test_worker_paths_run_each_call_once(lab: Lab, case: Case) -> None:
         again.get(timeout=60, propagate=False)
         assert again.state == states.FAILURE
         assert sorted(lab.recorded(case, "runs")) == [[1, 0], [1, 0]]
+    elif case.path == "observe":
+        # Observed: never suppressed, refused, revoked or cancelled; each call ran.
+        assert runs == [[1, 0]] * 3
+        assert [r.get(timeout=1) for r in case.results] == [1, 1, 1]
+        assert len({r.id for r in case.results}) == 3
+        assert not any(r.deduplicated for r in case.results)
     elif case.path == "send_task":
         held, copy = case.results
         assert runs == [[1, 0]]  # the copy found the call held: skipped, visibly

@@ -134,3 +134,31 @@ def test_a_base_class_may_carry_defaults_for_its_tasks(app_factory: AppFactory) 
         return None
 
     assert plain.delay("ada").deduplicated is False
+
+
+@pytest.mark.parametrize("option", sorted(GIVEN))
+def test_observe_composes_with_every_option(app_factory: AppFactory, option: str) -> None:
+    """``dedup_mode="observe"`` needs no partner and refuses none: with each option and its
+    partner (on the task, or at the call through a signature), a duplicate is published."""
+    app = app_factory("combo-observe")
+    value, partner = GIVEN[option]
+
+    @app.task(base=DedupTask, shared=False, name=f"combo.observe.{option}",
+              **{option: value}, **partner, dedup_mode="observe")
+    def job(user: str) -> None:
+        return None
+
+    first = job.delay("ada")
+    again = job.delay("ada")
+    assert first.deduplicated is False and again.deduplicated is False
+    assert again.id != first.id
+    # The same combination an option at a time at the call, observed per call.
+    if REQUIRES[option][0] in ("on_duplicate", "unique_until"):
+
+        @app.task(base=DedupTask, shared=False, name=f"combo.observe.call.{option}")
+        def plain(user: str) -> None:
+            return None
+
+        sig = plain.s("ada").set(**{option: value}, **partner)
+        assert sig.apply_async().deduplicated is False
+        assert sig.clone().set(dedup_mode="observe").apply_async().deduplicated is False

@@ -180,6 +180,24 @@ def test_a_delayed_publish_says_deferred(
     assert spans[later.id]["outcome"] == "deferred"
 
 
+def test_an_observed_call_says_what_enforcing_would_have_done(
+    traced_app: Celery, exporter: InMemorySpanExporter
+) -> None:
+    """``dedup_mode="observe"``: the duplicate is published; its span carries ``would``."""
+
+    @traced_app.task(base=DedupTask, shared=False, name="otel.observed", unique_for=600,
+                     dedup_mode="observe")
+    def observed(user: str) -> str:
+        return user
+
+    first, again = observed.delay("ada"), observed.delay("ada")
+    spans = {dict(s.attributes or {})["messaging.message.id"]: _dedup(s)
+             for s in _spans(exporter, "apply_async/otel.observed")}  # fmt: skip
+    assert spans[first.id]["outcome"] == "published" and "would" not in spans[first.id]
+    assert spans[again.id]["outcome"] == "published"
+    assert spans[again.id]["would"] == "deduplicate"
+
+
 def test_the_package_works_without_opentelemetry() -> None:
     """Imported and used with every ``opentelemetry`` module blocked (as if not installed)."""
     script = textwrap.dedent(

@@ -24,7 +24,7 @@ from celery.signals import after_task_publish
 from django.db import transaction
 from django.test import override_settings
 
-from celery_dedup import DedupTask, inspect_lock
+from celery_dedup import DedupTask, inspect_lock, task_observed
 from celery_dedup.limits import rate_store_key
 from celery_dedup.runtime import reset_runtime, runtime_for
 from celery_dedup.stores.base import RateSupport
@@ -79,8 +79,8 @@ def published() -> Iterator[list[str]]:
     after_task_publish.disconnect(record)
 
 
-def _task(app: Any, policy: str, limit: str, ids: str) -> Any:
-    options: dict[str, Any] = {"on_duplicate": policy, "unique_for": 600}
+def _task(app: Any, policy: str, limit: str, ids: str, mode: str = "enforce") -> Any:
+    options: dict[str, Any] = {"on_duplicate": policy, "unique_for": 600, "dedup_mode": mode}
     if policy == "cancel_running":
         options["cancel_wait"] = 2
     if limit == "concurrency":
@@ -145,3 +145,33 @@ def test_on_commit_calls_keep_the_admission_invariants(
     assert inspect_lock(_key(job, 3), app=app) is None
     if limit == "rate":
         assert _window(app, job) == expected
+
+
+@pytest.mark.parametrize(("policy", "limit"), list(itertools.product(POLICIES, LIMITS)))
+def test_observed_on_commit_calls_are_never_folded(
+    app: Any, published: list[str], policy: str, limit: str
+) -> None:
+    """``dedup_mode="observe"``: at the commit every call is published; the repeated one is
+    counted once (what enforcing would have folded or taken over), nothing raises."""
+    job = _task(app, policy, limit, "random", mode="observe")
+    seen: list[str] = []
+
+    def receive(sender: Any = None, would: str = "", **_: Any) -> None:
+        seen.append(would)
+
+    task_observed.connect(receive, weak=False)
+    try:
+        with transaction.atomic():
+            job.delay_on_commit("u", 1)
+            job.delay_on_commit("u", 2)
+            job.delay_on_commit("u", 1)
+            assert published == []
+    finally:
+        task_observed.disconnect(receive)
+    assert published == [job.name] * 3
+    takes_over = {"replace": "replace", "keep_last": "replace", "cancel_running": "cancel"}
+    assert seen == [takes_over.get(policy, "deduplicate")]
+    lock = inspect_lock(_key(job, 1), app=app)
+    assert lock is not None  # the first call's, never taken over
+    if limit == "rate":
+        assert _window(app, job) == 2  # the observed call holds no place in the window

@@ -27,6 +27,7 @@ BAD_VALUES = [
     ("CELERY_DEDUP_NATIVE", "sometimes", "celery_dedup.E012"),
     ("CELERY_DEDUP_REVOKED_TTL", -1, "celery_dedup.E013"),
     ("CELERY_DEDUP_SILENCED_WARNINGS", "W101", "celery_dedup.E032"),
+    ("CELERY_DEDUP_MODE", "shadow", "celery_dedup.E042"),
 ]
 
 

@@ -125,6 +125,8 @@ class Kind(str, Enum):
     #: a run started while as many runs of its key as the ``concurrency_limit``
     #: its call drew were certainly running
     SLOTS = "concurrency limit exceeded"
+    #: a call ``dedup_mode="observe"`` published anyway whose message never ran to its end
+    OBSERVED = "observed call not run"
 
 
 @dataclass(frozen=True)
@@ -140,6 +142,7 @@ class Call:
     #: just after it returned or raised
     t1: float
     #: ``published``, ``deduplicated``, ``raised`` (``DuplicateTaskError``),
+    #: ``observed`` (``dedup_mode="observe"``: published anyway, without a lock),
     #: ``cancel_timeout`` (``CancelTimeout``: nothing published, no lock) or
     #: ``failed`` (any other error: the lock must have been rolled back)
     outcome: str
@@ -162,6 +165,8 @@ class Call:
     seq: str = ""
     #: ``retry_window``: a final failure keeps the lock this long from its end
     retry_window: float | None = None
+    #: ``dedup_mode="observe"``: its run goes on when another publish holds the key
+    observe: bool = False
 
 
 @dataclass(frozen=True)
@@ -595,7 +600,9 @@ class _Checker:
     def check_executions(self) -> None:
         for holdings in self.by_key.values():
             for runner in holdings:
-                for start_event, prerun in self._runs(runner):
+                # An observing message runs whoever holds its key (``check_observed``).
+                observed = self._runs(runner) if not runner.call.observe else []
+                for start_event, prerun in observed:
                     for old in holdings:
                         begin, end = self.certain(old)
                         if old is not runner and begin <= prerun and start_event.t <= end:
@@ -1008,6 +1015,32 @@ class _Checker:
                     f"{task_id} started {len(starts)} times, final records {len(ends)}",
                 )
 
+    def check_observed(self) -> None:
+        """Every call ``dedup_mode="observe"`` published anyway ran, to a final state.
+
+        Unless it was revoked or carried ``expires``: then nothing must run.
+        (It carries no lock, so a copy the broker redelivered may run again,
+        as without celery-dedup: only "it ran" is judged.)
+        """
+        for call in self.trace.calls:
+            if call.outcome != "observed":
+                continue
+            if call.expires_at is not None or any(
+                r.task_id == call.task_id for r in self.trace.revokes
+            ):
+                continue
+            events = [e for e in self.trace.events if e.task_id == call.task_id]
+            started = any(e.kind == "start" for e in events)
+            final = any(e.kind == "postrun" and e.outcome in FINAL_STATES for e in events)
+            if not (started and final):
+                kinds = sorted({e.kind for e in events})
+                self.report(
+                    Kind.OBSERVED,
+                    call.key,
+                    f"{call.task_id} was published anyway (observe) but never ran to its end "
+                    f"(records: {', '.join(kinds) or 'none'})",
+                )
+
     def check_lost(self) -> None:
         """Never finished and not revoked; or dropped by a worker for no reason of its own."""
         for h in self.holdings:
@@ -1086,6 +1119,7 @@ def check(
     checker.check_covered()
     checker.check_capped()
     checker.check_suppressions()
+    checker.check_observed()
     checker.check_scans()
     checker.check_revokes()
     checker.check_lost()

@@ -30,7 +30,7 @@ from celery.signals import (
 from celery_dedup import CancelTimeout, DuplicateTaskError, dedup_key_for
 from celery_dedup.header import HEADER
 from celery_dedup.options import pop_call_options
-from celery_dedup.signals import task_skipped
+from celery_dedup.signals import task_observed, task_skipped
 from celery_dedup.stores.base import LockStore
 from celery_dedup.worker import header_in
 
@@ -312,6 +312,12 @@ def _remember_publish(headers: Mapping[str, Any] | None = None, **_: Any) -> Non
     _published.last = (str((headers or {}).get("id", "")), str(token))
 
 
+@task_observed.connect(weak=False)
+def _remember_observed(task_id: str = "", **_: Any) -> None:
+    """The id of the call ``dedup_mode="observe"`` published anyway (this thread)."""
+    _published.observed = task_id
+
+
 class Producer:
     """Calls ``apply_async`` and records what it saw."""
 
@@ -341,7 +347,9 @@ class Producer:
         call = task.dedup_config().resolve(pop_call_options(dict(options)))
         key = dedup_key_for(task, args, kwargs, **options) or ""
         countdown = float(options.get("countdown") or 0.0)
-        policy = call.on_duplicate.value
+        # An observing call never takes a key over: it acquires, or is published anyway.
+        observing = call.mode.value == "observe"
+        policy = "existing" if observing else call.on_duplicate.value
         common: dict[str, Any] = {
             "key": key,
             "until": call.unique_until.value,
@@ -354,12 +362,14 @@ class Producer:
             "max_wait": call.debounce_max_wait if policy == "replace" else None,
             "countdown": countdown,
             "seq": seq,
+            "observe": observing,
             # The worker shortens a failed run's lock only under these policies.
             "retry_window": (
                 call.retry_window if call.unique_until.value in ("success", "expiry") else None
             ),
         }
         _published.last = None
+        _published.observed = None
         t0 = time.time()
         if options.get("expires") is not None:
             common["expires_at"] = t0 + float(options["expires"])
@@ -385,6 +395,10 @@ class Producer:
             )
             raise
         t1 = time.time()
+        if getattr(_published, "observed", None) == result.id:
+            # Published anyway, without a lock: its message must run (``check_observed``).
+            self._record(Call(t0=t0, t1=t1, outcome="observed", task_id=result.id, **common))
+            return result
         if result.deduplicated:
             self._record(
                 Call(t0=t0, t1=t1, outcome="deduplicated", task_id=result.id, **common)

@@ -602,3 +602,42 @@ def test_a_run_after_the_other_ended_is_within_its_limit() -> None:
         events=[*run("ta", "A", 1.0), *limited(run("tb", "B", 2.0, pid=2), 1)],
     )
     assert Kind.SLOTS not in kinds(trace)
+
+
+def observed(t0: float, tid: str) -> Call:
+    """A call ``dedup_mode="observe"`` published anyway (no lock) in [t0, t0 + 0.01]."""
+    return Call(
+        key=KEY, until="success", unique_for=10.0, t0=t0, t1=t0 + 0.01,
+        outcome="observed", task_id=tid, observe=True,
+    )
+
+
+def test_an_observed_call_runs_beside_the_holder() -> None:
+    """Published anyway while A holds the key: its run (under no lock) is no duplicate."""
+    trace = Trace(
+        calls=[published(0.0, "A", "ta", observe=True), observed(0.5, "B")],
+        events=[*run("ta", "A", 1.0), *run("guard:B", "B", 1.1)],
+    )
+    assert check(trace) == []
+
+
+def test_an_observed_call_that_never_ran_is_reported() -> None:
+    """Published anyway, its message must run to its end (unless revoked)."""
+    trace = Trace(
+        calls=[published(0.0, "A", "ta", observe=True), observed(0.5, "B")],
+        events=[*run("ta", "A", 1.0)],
+    )
+    assert kinds(trace) == [Kind.OBSERVED]
+    revoked = replace(trace, revokes=[Revoke(KEY, "B", 0.6, 0.61, "revoked")])
+    assert check(revoked) == []
+
+
+def test_an_observing_message_may_run_while_a_newer_call_holds_its_key() -> None:
+    """Its lock lapsed and B took the key: the worker runs A anyway (observe), not a duplicate;
+    without observe the same trace is one."""
+    a = published(0.0, "A", "ta", unique_for=0.5, observe=True)
+    b = published(1.0, "B", "tb", observe=True)
+    events = [*run("tb", "B", 1.2, seconds=2.0), *run("ta", "A", 1.5)]
+    assert check(Trace(calls=[a, b], events=events)) == []
+    enforced = [replace(a, observe=False), replace(b, observe=False)]
+    assert Kind.DUPLICATE in kinds(Trace(calls=enforced, events=events))

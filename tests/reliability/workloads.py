@@ -13,7 +13,9 @@ call and ``debounce_max_wait``); every other key's call draws its own
 ``concurrency_limit`` of 1 to 3 for their key (read by ``rel.work``'s
 callable limit where the run enables it) and what its body
 will do (sleep, fail, retry with a countdown), and some published calls are revoked shortly
-after. ``cancel_running`` bodies sleep longer, so calls find them running
+after. Every eleventh key without a fixed policy only observes
+(``dedup_mode="observe"``): its refused calls are published anyway, and each
+must run. ``cancel_running`` bodies sleep longer, so calls find them running
 and terminate them. Every call is named (``seq``) in its plan, so the
 checker knows whose arguments each run carried. Producers pace their calls
 to a fixed total rate.
@@ -90,6 +92,12 @@ class Workload:
         return None
 
     @classmethod
+    def observes(cls, n: int) -> bool:
+        """Whether key ``n``'s calls only observe (``dedup_mode="observe"``): every
+        eleventh key among those without a fixed policy."""
+        return n % 11 == 2 and cls.policy(n) is None
+
+    @classmethod
     def profile(cls, n: int) -> dict[str, Any]:
         """The options fixed per key."""
         options: dict[str, Any] = {
@@ -97,6 +105,9 @@ class Workload:
             "unique_for": 8.0 if n % 3 == 0 else (0.8, 1.5)[n % 2],
             "deterministic_id": n % 5 == 0,
         }
+        if cls.observes(n):
+            # A rollout's first step: every refusal is published anyway (dedup_mode).
+            options["dedup_mode"] = "observe"
         if cls.policy(n) == "cancel_running":
             # A TTL longer than any run: only a cancel ends a running holder's lock.
             options.update(

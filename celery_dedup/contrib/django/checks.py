@@ -44,6 +44,7 @@ id                      setting
                         options (nothing reads them)
 ``celery_dedup.W021``   the Celery app's task modules cannot be imported
 ``celery_dedup.E032``   ``CELERY_DEDUP_SILENCED_WARNINGS``
+``celery_dedup.E042``   ``CELERY_DEDUP_MODE``
 ``celery_dedup.W101``…  the settings lint (``celery_dedup.lint``): W101,
 ``celery_dedup.W109``   W108, W109 and the store-type cases of W107
                         once the Celery app is finalized; W106/I106 and
@@ -97,6 +98,7 @@ CHECK_IDS: Final[Mapping[str, str]] = {
     "dedup_cancel_wait": "celery_dedup.E036",
     "dedup_cancel_signal": "celery_dedup.E037",
     "dedup_retry_window": "celery_dedup.E041",
+    "dedup_mode": "celery_dedup.E042",
 }
 E_UNKNOWN_SCHEME: Final = "celery_dedup.E009"
 E_STORE_OPTIONS: Final = "celery_dedup.E010"

@@ -31,8 +31,10 @@ place in the window, a duplicate under ``on_duplicate="raise"`` answers the
 holder's handle.
 
 A call that takes no lock (``unique_for=None``, ``identity="always_unique"``
-without a key) is never folded. Outside ``atomic()`` the call is left to
-``transaction.on_commit``: made at once under autocommit.
+without a key) is never folded, nor is a call under ``dedup_mode="observe"``
+(at commit each is published; a duplicate is counted, not folded). Outside
+``atomic()`` the call is left to ``transaction.on_commit``: made at once
+under autocommit.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from django.db import transaction
 from ... import events
 from ...admission.canvas import from_commit_hook
 from ...key_reuse import differ, fingerprint, report
-from ...options import OnDuplicate, ResolvedOptions, pop_call_options
+from ...options import DedupMode, OnDuplicate, ResolvedOptions, pop_call_options
 
 __all__ = ["on_commit"]
 
@@ -117,7 +119,8 @@ def on_commit(
     if given.get("unique_for", ...) is not None:
         queue = task.routed_queue(call_options, args, kwargs)
         key = task.dedup_key(args, kwargs, call, queue, call_options.get("serializer"))
-    if key is None:
+    if key is None or call.mode is DedupMode.OBSERVE:
+        # Observed, nothing is folded: at commit each call is published, a duplicate counted.
         connection.on_commit(lambda: _publish(task, args, kwargs, options))
         return
     serializer = str(options.get("serializer") or config.serializer)
