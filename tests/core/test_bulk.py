@@ -1,0 +1,278 @@
+"""``enqueue_many(per_item=True)``: each item deduplicated, the plain locks in one round trip."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from celery import Celery
+from sqlalchemy import event
+
+from celery_dedup import (
+    BulkResult,
+    DedupTask,
+    DuplicateTaskError,
+    InvalidOptionError,
+    ItemStatus,
+    RateLimited,
+    enqueue_many,
+)
+from celery_dedup.runtime import runtime_for
+from celery_dedup.stores.redis import RedisStore
+from celery_dedup.stores.sql import SQLStore
+from tests.core.test_round_trips import counting_client, measure
+from tests.fixtures._store_case import StoreCase
+from tests.fixtures.redis import RedisServer
+
+from .conftest import AppFactory, wait_until
+
+#: 1,000 items over 900 keys: every tenth item repeats an earlier item's key
+ITEMS = 1000
+DISTINCT = 900
+
+
+def item_key(i: int) -> int:
+    """Item ``i``'s argument: items 0..899 are new, each later one repeats an earlier one."""
+    return i if i < DISTINCT else (i * 7) % DISTINCT
+
+
+def check_outcomes(outcomes: BulkResult, held: dict[int, str]) -> dict[int, str]:
+    """Outcomes in input order: the first item of a key published (or a duplicate of the
+    holder in ``held``), every later one a duplicate of it; returns key → the run's id."""
+    assert isinstance(outcomes, BulkResult) and len(outcomes) == ITEMS
+    owner: dict[int, str] = dict(held)
+    first_seen: set[int] = set()
+    for i, outcome in enumerate(outcomes):
+        assert outcome.index == i
+        n = item_key(i)
+        if n in held or n in first_seen:
+            assert outcome.status is ItemStatus.DUPLICATE, (i, outcome)
+            assert outcome.result.deduplicated is True and outcome.result.id == owner[n]
+        else:
+            assert outcome.status is ItemStatus.PUBLISHED, (i, outcome)
+            assert outcome.result.deduplicated is False
+            owner[n] = outcome.result.id
+        first_seen.add(n)
+    assert len({outcome.result.id for outcome in outcomes}) == DISTINCT
+    return owner
+
+
+@pytest.mark.parametrize("backend", [
+    pytest.param("redis", marks=pytest.mark.redis, id="redis"),
+    pytest.param("postgres", marks=pytest.mark.postgres, id="postgres"),
+])  # fmt: skip
+def test_thousand_items_run_once_per_distinct_key(
+    app_factory: AppFactory,
+    worker_for: Any,
+    redis_server: RedisServer,
+    backend: str,
+    request: pytest.FixtureRequest,
+) -> None:
+    """1,000 items, 10% repeating a key (and 10 keys held by earlier calls): a real worker
+    runs each of the 900 distinct keys' bodies exactly once; the outcomes follow input
+    order; afterwards the store holds no lock of the task."""
+    store_url = request.getfixturevalue("store_postgres").url if backend == "postgres" else None
+    app = app_factory("bulk", dedup_store=store_url)
+    runs = redis_server.client(5)
+    runs.delete("bulk-runs")
+
+    @app.task(base=DedupTask, shared=False, unique_for=300)
+    def job(n: int) -> int:
+        runs.rpush("bulk-runs", n)
+        return n
+
+    held = {n: job.delay(n).id for n in range(0, DISTINCT, 90)}  # 10 keys held already
+    outcomes = enqueue_many([job.s(item_key(i)) for i in range(ITEMS)], per_item=True, app=app)
+    owner = check_outcomes(outcomes, held)
+
+    worker_for(app, concurrency=4)
+    for outcome in outcomes.with_status("published"):
+        outcome.result.get(timeout=120)
+    for task_id in held.values():
+        app.AsyncResult(task_id).get(timeout=120)
+    done = sorted(int(n) for n in runs.lrange("bulk-runs", 0, -1))
+    assert done == list(range(DISTINCT))  # each distinct key's body ran exactly once
+    assert {n: app.AsyncResult(owner[n]).result for n in (0, 1, 899)} == {0: 0, 1: 1, 899: 899}
+    store = runtime_for(app).store
+    assert store is not None
+    # unique_until="success": every run released its key (the last release may land
+    # a moment after its result is stored).
+    wait_until(lambda: not list(store.scan(f"celery-dedup:{job.name}:")), timeout=10)
+
+
+@pytest.mark.redis
+def test_per_item_costs_one_round_trip_on_redis(redis_server: RedisServer) -> None:
+    """100 items over 90 keys, some held already: one EVALSHA for all of them; a second
+    call of the same items (all held now) one more."""
+    client = counting_client(redis_server, 9)
+    client.flushdb()
+    app = Celery("bulk-rt", broker="memory://", backend="cache+memory://", set_as_current=False)
+    app.conf.update(dedup_metrics_flush_interval=3600)
+    runtime_for(app).use_store(RedisStore(client))
+
+    @app.task(base=DedupTask, shared=False, unique_for=30)
+    def job(n: int) -> int:
+        return n
+
+    enqueue_many([job.s(-1), job.s(-2)], per_item=True, app=app)  # loads the script
+    for n in range(5):
+        job.delay(n)
+    signatures = [job.s(n % 90) for n in range(100)]
+    outcomes: list[BulkResult] = []
+    assert measure(client, lambda: outcomes.append(
+        enqueue_many(signatures, per_item=True, app=app)
+    )) == 1  # fmt: skip
+    statuses = [o.status.value for o in outcomes[0]]
+    assert statuses.count("published") == 85 and statuses.count("duplicate") == 15
+    assert measure(client, lambda: enqueue_many(signatures, per_item=True, app=app)) == 1
+    client.close()
+    app.close()
+
+
+@pytest.mark.postgres
+def test_per_item_costs_one_statement_on_postgres(store_postgres: StoreCase) -> None:
+    """On PostgreSQL (autocommit: one statement is one round trip) 100 items over 90 keys,
+    some held already, are one multi-row upsert."""
+    store = store_postgres.store
+    assert isinstance(store, SQLStore)
+    app = Celery("bulk-pg", broker="memory://", backend="cache+memory://", set_as_current=False)
+    app.conf.update(dedup_metrics_flush_interval=3600)
+    runtime_for(app).use_store(store)
+
+    @app.task(base=DedupTask, shared=False, unique_for=30)
+    def job(n: int) -> int:
+        return n
+
+    enqueue_many([job.s(-1), job.s(-2)], per_item=True, app=app)  # tables checked, reaped
+    for n in range(5):
+        job.delay(n)
+    sent: list[str] = []
+
+    def count(action: Callable[[], Any]) -> int:
+        sent.clear()
+        action()
+        return len(sent)
+
+    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        sent.append(statement)
+
+    signatures = [job.s(n % 90) for n in range(100)]
+    outcomes: list[BulkResult] = []
+    event.listen(store.engine, "before_cursor_execute", record)
+    try:
+        assert count(lambda: outcomes.append(
+            enqueue_many(signatures, per_item=True, app=app)
+        )) == 1, sent  # fmt: skip
+        assert count(lambda: enqueue_many(signatures, per_item=True, app=app)) == 1, sent
+    finally:
+        event.remove(store.engine, "before_cursor_execute", record)
+        app.close()
+    statuses = [o.status.value for o in outcomes[0]]
+    assert statuses.count("published") == 85 and statuses.count("duplicate") == 15
+
+
+@pytest.mark.redis
+def test_failed_publish_gives_its_key_back(
+    app_factory: AppFactory, worker_for: Any, redis_server: RedisServer
+) -> None:
+    """An item whose publish fails is reported failed (its repeat too) and its key is
+    free again; the other items are published and run once each."""
+    app = app_factory("bulk-fail")
+    runs = redis_server.client(5)
+    runs.delete("bulk-fail")
+
+    @app.task(base=DedupTask, shared=False, unique_for=300)
+    def job(n: int) -> int:
+        runs.rpush("bulk-fail", n)
+        return n
+
+    broken = job.s(2).set(headers={"unserialisable": object()})
+    outcomes = enqueue_many(
+        [job.s(1), broken, job.s(3), job.s(2), job.s(1)], per_item=True, app=app
+    )
+    assert [o.status.value for o in outcomes] == [
+        "published", "failed", "published", "failed", "duplicate",
+    ]  # fmt: skip
+    assert outcomes[1].error is not None and outcomes[3].error is outcomes[1].error
+    assert outcomes[4].result.id == outcomes[0].result.id
+    again = job.delay(2)  # its key is free again
+    assert again.deduplicated is False
+    worker_for(app)
+    for result in (outcomes[0].result, outcomes[2].result, again):
+        result.get(timeout=30)
+    wait_until(lambda: runs.llen("bulk-fail") == 3, timeout=30)
+    assert sorted(int(n) for n in runs.lrange("bulk-fail", 0, -1)) == [1, 2, 3]
+
+
+@pytest.mark.redis
+def test_items_needing_more_than_a_lock_take_the_single_call_path(
+    app_factory: AppFactory, worker_for: Any, redis_server: RedisServer
+) -> None:
+    """rate_limit_per_key and replace items are admitted as single calls (a rate refusal
+    reported per item, a replace taking the key over); on_duplicate='raise' is reported
+    refused; plain tasks are published; every admitted body runs once."""
+    app = app_factory("bulk-mixed")
+    runs = redis_server.client(5)
+    runs.delete("bulk-mixed")
+
+    @app.task(base=DedupTask, shared=False, unique_for=300, rate_limit_per_key="2/h",
+              rate_key=lambda n: "all")  # fmt: skip
+    def rated(n: int) -> int:
+        runs.rpush("bulk-mixed", f"rated{n}")
+        return n
+
+    @app.task(base=DedupTask, shared=False, unique_for=300, on_duplicate="replace")
+    def latest(n: int, version: int) -> int:
+        runs.rpush("bulk-mixed", f"latest{n}v{version}")
+        return n
+
+    @app.task(base=DedupTask, shared=False, unique_for=300, on_duplicate="raise")
+    def strict(n: int) -> int:
+        runs.rpush("bulk-mixed", f"strict{n}")
+        return n
+
+    @app.task(shared=False)
+    def plain(n: int) -> int:
+        runs.rpush("bulk-mixed", f"plain{n}")
+        return n
+
+    strict.delay(1)
+    latest.apply_async((1, 0), deduplication_key="latest-1")
+    outcomes = enqueue_many([
+        rated.s(1), rated.s(2), rated.s(3), rated.s(1),
+        latest.s(1, 1).set(deduplication_key="latest-1"),
+        strict.s(1), strict.s(2), plain.s(1),
+    ], per_item=True, app=app)  # fmt: skip
+    assert [o.status.value for o in outcomes] == [
+        "published", "published", "refused", "duplicate",
+        "published", "refused", "published", "published",
+    ]  # fmt: skip
+    assert isinstance(outcomes[2].error, RateLimited)
+    assert isinstance(outcomes[5].error, DuplicateTaskError)
+    assert outcomes[3].result.id == outcomes[0].result.id
+    worker_for(app)
+    for i in (0, 1, 4, 6, 7):
+        outcomes[i].result.get(timeout=30)
+    expected = ["latest1v1", "plain1", "rated1", "rated2", "strict1", "strict2"]
+    wait_until(lambda: runs.llen("bulk-mixed") >= len(expected), timeout=30)
+    assert sorted(r.decode() for r in runs.lrange("bulk-mixed", 0, -1)) == expected
+
+
+@pytest.mark.redis
+def test_bad_input_raises_before_anything_is_written(app_factory: AppFactory) -> None:
+    """A batch key with per_item, or an item that is no signature, raises a typed error
+    and leaves the store and the broker untouched."""
+    app = app_factory("bulk-bad")
+
+    @app.task(base=DedupTask, shared=False, unique_for=300)
+    def job(n: int) -> int:
+        return n
+
+    with pytest.raises(InvalidOptionError, match="deduplication_key"):
+        enqueue_many([job.s(1)], per_item=True, deduplication_key="k", app=app)
+    with pytest.raises(TypeError, match="item 1 is not a signature"):
+        enqueue_many([job.s(1), (job, 2)], per_item=True, app=app)  # type: ignore[list-item]
+    store = runtime_for(app).store
+    assert store is not None and list(store.scan("celery-dedup:")) == []
+    assert job.delay(1).deduplicated is False
