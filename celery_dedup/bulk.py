@@ -37,6 +37,7 @@ from .admission.duplicate import answer as duplicate_answer
 from .admission.lock import LockPlan, LockStep, failed, owner_token, taken
 from .admission.publish import PublishStep
 from .exceptions import (
+    CancelTimeout,
     DeduplicationUnavailable,
     DuplicateTaskError,
     RateLimited,
@@ -50,8 +51,8 @@ __all__ = ["BulkResult", "ItemOutcome", "ItemStatus", "enqueue_per_item"]
 
 logger = logging.getLogger("celery_dedup")
 
-#: refusals an item is reported with instead of raising them
-_REFUSALS = (DuplicateTaskError, RateLimited)
+#: refusals an item is reported with instead of raising them (nothing published, no lock)
+_REFUSALS = (DuplicateTaskError, RateLimited, CancelTimeout)
 
 
 class ItemStatus(str, Enum):
@@ -62,8 +63,8 @@ class ItemStatus(str, Enum):
     #: its key was held (by an earlier item of the call, or another call):
     #: nothing published; ``result`` is the holder's ``DeduplicatedResult``
     DUPLICATE = "duplicate"
-    #: refused (``on_duplicate="raise"``, ``on_key_reuse="raise"``,
-    #: ``RateLimited``): nothing published, nothing held; ``error`` says why
+    #: refused (``on_duplicate="raise"``, ``on_key_reuse="raise"``, ``RateLimited``,
+    #: ``CancelTimeout``): nothing published, nothing held; ``error`` says why
     REFUSED = "refused"
     #: its publish failed: its key was given back; ``error`` is the publish's
     FAILED = "failed"
