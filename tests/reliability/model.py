@@ -158,6 +158,8 @@ class Call:
     seq: str = ""
     #: ``retry_window``: a final failure keeps the lock this long from its end
     retry_window: float | None = None
+    #: made by ``enqueue_many(per_item=True)`` (t0, t1: the whole bulk call's)
+    bulk: bool = False
 
 
 @dataclass(frozen=True)
