@@ -24,7 +24,6 @@ from celery_dedup.runs import records_of
 from celery_dedup.stores import store_from_url
 from celery_dedup.stores.base import (
     ClaimOutcome,
-    acquire_many,
     CounterSupport,
     Lock,
     LockStore,
@@ -33,6 +32,7 @@ from celery_dedup.stores.base import (
     RevokingTakeOver,
     RunOutcome,
     RunRef,
+    acquire_many,
 )
 from tests.fixtures._store_case import StoreCase
 
