@@ -52,7 +52,7 @@ __all__ = ["BulkResult", "ItemOutcome", "ItemStatus", "enqueue_per_item"]
 logger = logging.getLogger("celery_dedup")
 
 #: refusals an item is reported with instead of raising them (nothing published, no lock)
-_REFUSALS = (DuplicateTaskError, RateLimited, CancelTimeout)
+_REFUSALS = (DuplicateTaskError, RateLimited, CancelTimeout, DeduplicationUnavailable)
 
 
 class ItemStatus(str, Enum):
@@ -64,7 +64,8 @@ class ItemStatus(str, Enum):
     #: nothing published; ``result`` is the holder's ``DeduplicatedResult``
     DUPLICATE = "duplicate"
     #: refused (``on_duplicate="raise"``, ``on_key_reuse="raise"``, ``RateLimited``,
-    #: ``CancelTimeout``): nothing published, nothing held; ``error`` says why
+    #: ``CancelTimeout``, ``DeduplicationUnavailable`` on the single-call path):
+    #: nothing published, nothing held; ``error`` says why
     REFUSED = "refused"
     #: its publish failed: its key was given back; ``error`` is the publish's
     FAILED = "failed"
