@@ -145,12 +145,16 @@ def _resolve(index: int, sig: Signature, given: dict[str, Any]) -> _Item:
     """The item's call, resolved as ``sig.apply_async()`` would resolve it."""
     if not isinstance(sig, Signature):
         raise TypeError(f"enqueue_many: item {index} is not a signature: {sig!r}")
-    task = sig.type if sig.subtask_type is None else None
+    task = _dedup_task(sig)
     options = {**given, **sig.options}
-    if task is None or not hasattr(task, "prepare_call") or in_canvas(options):
-        # A canvas, a plain task, a group or chord member: Celery's own path.
-        merged = dict(options)
-        return _Item(index, single=lambda: sig.apply_async(**merged))
+    if task is None or in_canvas(options):
+        # A canvas, a plain or unknown task, a group or chord member: Celery's own
+        # path (``given`` only where a DedupTask reads it: Celery would publish it
+        # as message properties).
+        extra = {name: value for name, value in given.items() if name not in sig.options}
+        if task is None:
+            extra = {}
+        return _Item(index, single=lambda: sig.apply_async(**extra))
     call = {
         name: options.pop(name, None)
         for name in ("task_id", "producer", "link", "link_error", "shadow")
@@ -164,6 +168,18 @@ def _resolve(index: int, sig: Signature, given: dict[str, Any]) -> _Item:
     if _needs_more_than_a_lock(prepared):
         return _Item(index, adm=prepared, single=lambda: admit(prepared))
     return _Item(index, adm=prepared, plan=LockStep().plan(prepared))
+
+
+def _dedup_task(sig: Signature) -> Any:
+    """The ``DedupTask`` a one-task signature calls, else ``None`` (a canvas, another
+    task class, a task this app does not know: ``sig.apply_async`` sends it by name)."""
+    if sig.subtask_type is not None:
+        return None
+    try:
+        task = sig.type
+    except KeyError:
+        return None
+    return task if hasattr(task, "prepare_call") else None
 
 
 def _needs_more_than_a_lock(adm: Admission) -> bool:

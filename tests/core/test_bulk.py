@@ -276,3 +276,46 @@ def test_bad_input_raises_before_anything_is_written(app_factory: AppFactory) ->
     store = runtime_for(app).store
     assert store is not None and list(store.scan("celery-dedup:")) == []
     assert job.delay(1).deduplicated is False
+
+
+@pytest.mark.redis
+def test_batch_options_reach_dedup_items_only(app_factory: AppFactory) -> None:
+    """unique_for/on_duplicate given to enqueue_many apply to DedupTask items that set none
+    (an item's own .set() wins); a plain task and a task known only by name are published
+    as Celery publishes them, without those options in their message properties."""
+    from celery.signals import before_task_publish
+
+    app = app_factory("bulk-given")
+
+    @app.task(base=DedupTask, shared=False, unique_for=300)
+    def job(n: int) -> int:
+        return n
+
+    @app.task(shared=False)
+    def plain(n: int) -> int:
+        return n
+
+    held = job.delay(1)
+    seen: dict[str, dict[str, Any]] = {}
+
+    def record(sender: Any = None, headers: Any = None, properties: Any = None, **_: Any) -> None:
+        seen[str(sender)] = dict(properties or {})
+
+    before_task_publish.connect(record, weak=False)
+    try:
+        outcomes = enqueue_many([
+            job.s(1), job.s(1).set(on_duplicate="existing"), job.s(2), plain.s(3),
+            app.signature("bulk.known.elsewhere", args=(4,)),
+        ], per_item=True, on_duplicate="raise", unique_for=30, app=app)  # fmt: skip
+    finally:
+        before_task_publish.disconnect(record)
+    assert [o.status.value for o in outcomes] == [
+        "refused", "refused", "published", "published", "published",
+    ]  # fmt: skip
+    # (the second item repeats the first's key: it is refused as the first was)
+    assert isinstance(outcomes[0].error, DuplicateTaskError)
+    assert outcomes[0].error.existing_task_id == held.id
+    lock = runtime_for(app).store.get(outcomes[2].result.deduplication_key)
+    assert lock is not None and 25 < lock.ttl <= 30  # unique_for=30 applied
+    for name in (plain.name, "bulk.known.elsewhere"):
+        assert not {"unique_for", "on_duplicate"} & set(seen[name]), seen[name]
