@@ -107,7 +107,8 @@ class RedisClusterStore(RedisStore):
     Any node of the cluster can be given; the others are discovered.
     ``global_keyprefix`` in ``dedup_store_options`` prefixes every key. The
     scripts are the Redis store's: single-key, so each runs on the key's
-    primary in one round trip.
+    primary in one round trip; ``acquire_many`` sends one script per hash
+    slot among its keys.
     """
 
     name = "redis-cluster"
