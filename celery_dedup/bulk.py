@@ -123,16 +123,15 @@ def enqueue_per_item(signatures: Iterable[Signature], given: dict[str, Any]) -> 
     """
     items = [_resolve(index, sig, given) for index, sig in enumerate(signatures)]
     _find_firsts(items)
-    _acquire(items)
-    admitted = [item for item in items if _is_admitted(item)]
     try:
+        _acquire(items)
         for item in items:
             item.outcome = _settle(item)
     except BaseException:
-        # Not an error of one publish (an interrupt): no key stays held for
-        # a message that was never sent.
-        for item in admitted:
-            if item.outcome is None and item.adm is not None:
+        # Not the error of one publish (reported per item): an interrupt, or
+        # a second store's refusal. No key stays held for a message never sent.
+        for item in items:
+            if item.outcome is None and item.plan is not None and item.adm is not None:
                 LockStep().undo(item.adm)
         raise
     return BulkResult(item.outcome for item in items if item.outcome is not None)
@@ -257,10 +256,6 @@ def _fall_back(batch: Sequence[_Item], exc: StoreError) -> None:
             refusal = refusal or error
     if refusal is not None:
         raise refusal
-
-
-def _is_admitted(item: _Item) -> bool:
-    return item.plan is not None and item.holder is None and item.first is None
 
 
 # -- 4. publish, in input order ----------------------------------------------
