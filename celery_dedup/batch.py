@@ -76,7 +76,8 @@ def enqueue_many(
     PostgreSQL); items of the call with the same key: the first wins.
     Returns a ``BulkResult``: one ``ItemOutcome`` per signature, in input
     order (published, duplicate, refused or failed). ``unique_for`` and
-    ``on_duplicate`` then apply to the items that do not set their own.
+    ``on_duplicate`` then apply to the ``DedupTask`` items that do not set
+    their own; each item uses its own task's app (``app`` is not read).
     """
     if per_item:
         if deduplication_key is not None:
