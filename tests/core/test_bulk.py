@@ -319,3 +319,40 @@ def test_batch_options_reach_dedup_items_only(app_factory: AppFactory) -> None:
     assert lock is not None and 25 < lock.ttl <= 30  # unique_for=30 applied
     for name in (plain.name, "bulk.known.elsewhere"):
         assert not {"unique_for", "on_duplicate"} & set(seen[name]), seen[name]
+
+
+@pytest.mark.redis
+def test_an_interrupt_gives_back_every_unpublished_key(app_factory: AppFactory) -> None:
+    """An interrupt (a BaseException) in the third publish: the call raises it; the two
+    items published keep their locks, the interrupted one and every later one are given
+    back (nothing held for a message never sent)."""
+    app = app_factory("bulk-interrupt")
+
+    @app.task(base=DedupTask, shared=False, unique_for=300)
+    def job(n: int) -> int:
+        return n
+
+    class Stop(BaseException):
+        pass
+
+    original = app.send_task
+    sent: list[int] = []
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        if len(sent) == 2:
+            raise Stop
+        sent.append(1)
+        return original(*args, **kwargs)
+
+    app.send_task = interrupted  # type: ignore[method-assign]
+    try:
+        with pytest.raises(Stop):
+            enqueue_many([job.s(n) for n in range(5)], per_item=True, app=app)
+    finally:
+        app.send_task = original  # type: ignore[method-assign]
+    store = runtime_for(app).store
+    assert store is not None
+    keys = [job.dedup_key((n,), {}, job.dedup_config().default_call) for n in range(5)]
+    assert [store.get(str(key)) is not None for key in keys] == [True, True, False, False, False]
+    with app.connection_for_write() as conn:
+        assert conn.default_channel.client.llen(app.conf.task_default_queue) == 2
