@@ -46,6 +46,7 @@ from .exceptions import (
 )
 from .limits import limits_of
 from .stores.base import Lock, LockStore, acquire_many
+from .task import DedupTask
 
 __all__ = ["BulkResult", "ItemOutcome", "ItemStatus", "enqueue_per_item"]
 
@@ -146,10 +147,11 @@ def _resolve(index: int, sig: Signature, given: dict[str, Any]) -> _Item:
         raise TypeError(f"enqueue_many: item {index} is not a signature: {sig!r}")
     task = _dedup_task(sig)
     options = {**given, **sig.options}
-    if task is None or in_canvas(options):
-        # A canvas, a plain or unknown task, a group or chord member: Celery's own
-        # path (``given`` only where a DedupTask reads it: Celery would publish it
-        # as message properties).
+    if task is None or in_canvas(options) or _own_apply_async(task):
+        # A canvas, a plain or unknown task, a group or chord member, a subclass
+        # with its own apply_async (the compat shims): its own path (``given``
+        # only where a DedupTask reads it: Celery would publish it as message
+        # properties).
         extra = {name: value for name, value in given.items() if name not in sig.options}
         if task is None:
             extra = {}
@@ -179,6 +181,11 @@ def _dedup_task(sig: Signature) -> Any:
     except KeyError:
         return None
     return task if hasattr(task, "prepare_call") else None
+
+
+def _own_apply_async(task: Any) -> bool:
+    """A ``DedupTask`` subclass overriding ``apply_async``: only it knows what it adds."""
+    return type(task).apply_async is not DedupTask.apply_async
 
 
 def _needs_more_than_a_lock(adm: Admission) -> bool:

@@ -356,3 +356,27 @@ def test_an_interrupt_gives_back_every_unpublished_key(app_factory: AppFactory) 
     assert [store.get(str(key)) is not None for key in keys] == [True, True, False, False, False]
     with app.connection_for_write() as conn:
         assert conn.default_channel.client.llen(app.conf.task_default_queue) == 2
+
+
+@pytest.mark.redis
+def test_a_subclass_with_its_own_apply_async_is_called(app_factory: AppFactory) -> None:
+    """A DedupTask subclass overriding apply_async (as the compat shims do) gets every one
+    of its items through that override; outcomes are still per item, in input order."""
+    app = app_factory("bulk-override")
+    seen: list[tuple[Any, ...]] = []
+
+    class Audited(DedupTask):
+        abstract = True
+
+        def apply_async(self, args: Any = None, kwargs: Any = None, *a: Any, **kw: Any) -> Any:
+            seen.append(tuple(args or ()))
+            return super().apply_async(args, kwargs, *a, **kw)
+
+    @app.task(base=Audited, shared=False, unique_for=300)
+    def job(n: int) -> int:
+        return n
+
+    outcomes = enqueue_many([job.s(1), job.s(2), job.s(1)], per_item=True, app=app)
+    assert [o.status.value for o in outcomes] == ["published", "published", "duplicate"]
+    assert outcomes[2].result.id == outcomes[0].result.id
+    assert seen == [(1,), (2,), (1,)]
