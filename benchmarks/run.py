@@ -53,10 +53,11 @@ ROWS = (
     "h_postgres_store", "h_postgres_raw", "h_sqlite_store", "h_sqlite_raw",
     "l_lease_pass_1000", "l_lease_one_by_one_1000", "l_lease_ms_per_s",
     "k_handoff_wall_vs_ideal", "k_handoff_in_call_order",
+    "m_bulk_per_item_1000", "m_bulk_single_calls_1000", "m_bulk_plain_group_1000",
 )
 ROUND_TRIPS = (
     "acquire", "duplicate", "acquire_rated", "duplicate_rated", "release", "release_api",
-    "executed",
+    "executed", "bulk_1000",
 )
 
 # -- dependencies -------------------------------------------------------------
@@ -230,6 +231,8 @@ def round_trip_rows(bench: ModuleType, store_url: str, count: int) -> dict[str, 
     from celery_dedup.runtime import runtime_for
 
     counter = ServerCounter(store_url)
+    from celery_dedup import enqueue_many
+
     trips: dict[str, Any] = {name: {} for name in ROUND_TRIPS if name != "executed"}
     acquired: list[Any] = []
     with counter.counting(count, trips["acquire"]):
@@ -257,10 +260,75 @@ def round_trip_rows(bench: ModuleType, store_url: str, count: int) -> dict[str, 
     with counter.counting(count - half, trips["release_api"]):  # looks the holder up first
         for result in acquired[half:]:
             assert release(result, app=bench.app)
+    enqueue_many([bench.dedup.s(-3)], per_item=True, app=bench.app)  # loads its script
+    batch = [bench.dedup.s(2 * 10**9 + bulk_key(i)) for i in range(BULK_ITEMS)]
+    bulk = trips["bulk_1000"]
+    with counter.counting(1, bulk):  # one enqueue_many(per_item=True)
+        outcomes = enqueue_many(batch, per_item=True, app=bench.app)
+    assert len(outcomes.with_status("published")) == BULK_DISTINCT
+    # Its one request (~100 KB) reaches the server in several reads: the round
+    # trips are the commands the client sent (the scripts' own are in commandstats).
+    bulk["server_reads"] = bulk["round_trips"]
+    bulk["round_trips"] = bulk["commands"].get("evalsha", 0)
     bench.app.control.purge()
     counter.client.flushdb()
     counter.client.close()
     return trips
+
+
+#: the bulk rows' batch: 1,000 items, every tenth repeating an earlier item's key
+BULK_ITEMS = 1000
+BULK_DISTINCT = 900
+#: targets: per_item at least this many times faster than the single calls, and at
+#: most this many times a plain group's time
+BULK_SPEEDUP = 2.0
+BULK_OVER_GROUP = 1.2
+
+
+def bulk_key(i: int) -> int:
+    """Item ``i``'s argument in a bulk batch (900 distinct, 100 repeats)."""
+    return i if i < BULK_DISTINCT else (i * 7) % BULK_DISTINCT
+
+
+def bulk_rows(bench: ModuleType, store_url: str, n: int, rounds: int) -> dict[str, float]:
+    """A batch of 1,000 items with 10% repeated keys, ms per batch, in turn: one
+    ``enqueue_many(per_item=True)``, 1,000 ``DedupTask.apply_async`` calls, and a plain
+    ``group(...).apply_async()`` of 1,000 plain tasks (no deduplication: the floor)."""
+    from celery import group
+
+    from celery_dedup import enqueue_many
+
+    app, plain, dedup = bench.app, bench.plain, bench.dedup
+    raw = redis.Redis.from_url(store_url)
+
+    def purge() -> None:
+        app.control.purge()
+        raw.flushdb()
+
+    def batch(i: int) -> list[int]:  # fresh keys for every batch
+        return [(i + 1) * 10**6 + bulk_key(j) for j in range(BULK_ITEMS)]
+
+    def per_item(i: int) -> None:
+        enqueue_many([dedup.s(x) for x in batch(i)], per_item=True, app=app)
+
+    def single_calls(i: int) -> None:
+        for x in batch(i):
+            dedup.apply_async((x,))
+
+    def plain_group(i: int) -> None:
+        group(plain.s(x) for x in batch(i)).apply_async()
+
+    rows = alternating_us(
+        {
+            "m_bulk_per_item_1000": per_item,
+            "m_bulk_single_calls_1000": single_calls,
+            "m_bulk_plain_group_1000": plain_group,
+        },
+        n, rounds, purge,
+    )
+    purge()
+    raw.close()
+    return {name: us / 1000 for name, us in rows.items()}
 
 
 def worker_rows(
@@ -573,6 +641,7 @@ def run(*, smoke: bool = False, iterations: int | None = None, rounds: int | Non
             rows.update(scale_rows(bench, store_url, small, large, n, r))
             rows.update(lease_rows(bench, store_url, 1000, r))
             rows.update(handoff_rows(bench, store_url, 10, 0.2 if smoke else 1.0))
+            rows.update(bulk_rows(bench, store_url, 1 if smoke else 3, r))
             server = redis.Redis.from_url(store_url).info("server")["redis_version"]
         finally:
             bench.app.close()
@@ -631,6 +700,10 @@ def targets(rows: dict[str, float], trips: dict[str, Any]) -> list[dict[str, Any
          "<=", 1.5),
         ("lease pass vs one round trip per task", rows["l_lease_pass_1000"]
          / rows["l_lease_one_by_one_1000"], "<=", 0.5),
+        ("bulk per_item vs 1,000 single calls", speed("m_bulk_per_item_1000",
+         "m_bulk_single_calls_1000"), ">=", BULK_SPEEDUP),
+        ("bulk per_item vs plain group (time)", rows["m_bulk_per_item_1000"]
+         / rows["m_bulk_plain_group_1000"], "<=", BULK_OVER_GROUP),
     ]
     return [
         {"target": name, "value": value, "bound": f"{op} {bound:g}",
@@ -664,6 +737,9 @@ LABELS = {
     "l_lease_ms_per_s": ("    upkeep per second (60 s lease)", "ms/s"),
     "k_handoff_wall_vs_ideal": ("(k) 10 bodies of 1 s, limit 1: wall/ideal", "x"),
     "k_handoff_in_call_order": ("    ran in call order (1 yes, 0 no)", ""),
+    "m_bulk_per_item_1000": ("(m) 1,000 items, 10% repeats: per_item", "ms"),
+    "m_bulk_single_calls_1000": ("    1,000 DedupTask.apply_async calls", "ms"),
+    "m_bulk_plain_group_1000": ("    plain group().apply_async()", "ms"),
 }
 
 

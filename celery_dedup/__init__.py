@@ -19,6 +19,7 @@ from . import celery_versions as _celery_versions
 from . import startup as _startup  # noqa: F401
 from .api import dedup_key_for, inspect_lock, release, revoke
 from .batch import enqueue_many
+from .bulk import BulkResult, ItemOutcome, ItemStatus
 from .exceptions import (
     CancelOwnRunError,
     CancelTimeout,
@@ -69,6 +70,7 @@ _celery_versions.backport(DedupTask)
 __version__ = "0.3.0"
 
 __all__ = [
+    "BulkResult",
     "CancelOwnRunError",
     "CancelTimeout",
     "DedupError",
@@ -83,6 +85,8 @@ __all__ = [
     "Identity",
     "ImproperlyConfigured",
     "InvalidOptionError",
+    "ItemOutcome",
+    "ItemStatus",
     "KeyReuseError",
     "KeyReuseWarning",
     "LimitsNotSupported",

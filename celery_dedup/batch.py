@@ -1,15 +1,17 @@
-"""``enqueue_many``: publish a group under one batch-level lock."""
+"""``enqueue_many``: publish a group under one batch-level lock (or each item deduplicated:
+``per_item=True``, ``celery_dedup.bulk``)."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
 from celery import current_app, group
 from celery.canvas import Signature
 from celery.result import GroupResult
 
+from .bulk import BulkResult, enqueue_per_item
 from .exceptions import DuplicateTaskError, InvalidOptionError, StoreContention, StoreError
 from .header import new_token
 from .identity import caller_key_material, lock_key
@@ -27,23 +29,87 @@ __all__ = ["BATCH_TASK_NAME", "enqueue_many"]
 BATCH_TASK_NAME = "celery_dedup.batch"
 
 
+@overload
 def enqueue_many(
     signatures: Iterable[Signature],
     *,
     deduplication_key: str,
     unique_for: float | None = None,
-    on_duplicate: OnDuplicate | str = OnDuplicate.EXISTING,
+    on_duplicate: OnDuplicate | str | None = None,
     app: Celery | None = None,
-) -> GroupResult:
-    """Publish ``signatures`` as one group, once per ``deduplication_key``.
+    per_item: Literal[False] = False,
+) -> GroupResult: ...
+
+
+@overload
+def enqueue_many(
+    signatures: Iterable[Signature],
+    *,
+    unique_for: float | None = None,
+    on_duplicate: OnDuplicate | str | None = None,
+    app: Celery | None = None,
+    per_item: Literal[True],
+) -> BulkResult: ...
+
+
+def enqueue_many(
+    signatures: Iterable[Signature],
+    *,
+    deduplication_key: str | None = None,
+    unique_for: float | None = None,
+    on_duplicate: OnDuplicate | str | None = None,
+    app: Celery | None = None,
+    per_item: bool = False,
+) -> GroupResult | BulkResult:
+    """Publish ``signatures`` as one group, once per ``deduplication_key``; or, with
+    ``per_item=True``, each signature as its own deduplicated call.
 
     The batch lock is released only by its TTL (``unique_for``, default
     ``dedup_default_ttl``). When the key is held, ``on_duplicate="existing"``
     returns the holder's ``GroupResult`` (``.deduplicated`` is True) and
     ``"raise"`` raises ``DuplicateTaskError``. Members are not deduplicated
-    against each other: for per-item dedup, call the tasks one by one.
+    against each other.
+
+    ``per_item=True`` (no ``deduplication_key``): every item is a call of
+    its own, keyed as ``apply_async`` keys it, and the locks of all items
+    that need only a lock are taken in one store round trip (Redis,
+    PostgreSQL); items of the call with the same key: the first wins.
+    Returns a ``BulkResult``: one ``ItemOutcome`` per signature, in input
+    order (published, duplicate, refused or failed). ``unique_for`` and
+    ``on_duplicate`` then apply to the ``DedupTask`` items that do not set
+    their own; each item uses its own task's app (``app`` is not read).
     """
-    sigs = list(signatures)
+    if per_item:
+        if deduplication_key is not None:
+            raise InvalidOptionError(
+                "deduplication_key", deduplication_key,
+                "no batch key with per_item=True (each item is keyed as its own call)",
+            )  # fmt: skip
+        given: dict[str, Any] = {}
+        if unique_for is not None:
+            given["unique_for"] = validate_positive_seconds(unique_for, "unique_for")
+        if on_duplicate is not None:
+            given["on_duplicate"] = validate_choice(OnDuplicate, on_duplicate, "on_duplicate")
+        return enqueue_per_item(signatures, given)
+    if deduplication_key is None:
+        raise InvalidOptionError("deduplication_key", None, "a non-empty string")
+    return _enqueue_group(
+        list(signatures),
+        deduplication_key,
+        unique_for,
+        OnDuplicate.EXISTING if on_duplicate is None else on_duplicate,
+        app,
+    )
+
+
+def _enqueue_group(
+    sigs: list[Signature],
+    deduplication_key: str,
+    unique_for: float | None,
+    on_duplicate: OnDuplicate | str,
+    app: Celery | None,
+) -> GroupResult:
+    """The group under one batch lock (``enqueue_many`` without ``per_item``)."""
     app = app or (sigs[0].app if sigs else None) or current_app
     runtime = runtime_for(app)
     key_text = validate_key(deduplication_key)

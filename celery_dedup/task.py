@@ -501,6 +501,31 @@ class DedupTask(_Task):
         ``unique_for`` (``None``/``0`` publishes with no lock at all),
         ``unique_until``, ``on_duplicate``, ``identity`` and ``deterministic_id``.
         """
+        prepared = self.prepare_call(
+            args, kwargs, task_id, producer, link, link_error, shadow, options
+        )
+        if isinstance(prepared, Admission):
+            return admission.admit(prepared)
+        return prepared()
+
+    def prepare_call(
+        self,
+        args: Sequence[Any] | None,
+        kwargs: Mapping[str, Any] | None,
+        task_id: str | None,
+        producer: Any,
+        link: Any,
+        link_error: Any,
+        shadow: str | None,
+        options: dict[str, Any],
+    ) -> Admission | Callable[[], Any]:
+        """Resolve a call (options, route, key): nothing written, nothing published.
+
+        Returns the call's ``Admission`` when it takes a lock in the store
+        (``admission.admit`` admits it), else what finishes the call another
+        way (no lock, native deduplication, a holder's own republish).
+        ``enqueue_many(per_item=True)`` admits many prepared calls at once.
+        """
         given = pop_call_options(options, self.name) if options else {}
         config = self.dedup_config()
         if self.name not in config.runtime.linted:
@@ -527,10 +552,11 @@ class DedupTask(_Task):
             )
 
         if self._is_holder_republish(task_id, options):
-            assert task_id is not None
-            return worker.republish_as_holder(self, task_id, options, publish)
+            held_id = task_id
+            assert held_id is not None
+            return lambda: worker.republish_as_holder(self, held_id, options, publish)
         if given.get("unique_for", ...) is None:
-            return mark_result(publish(task_id or uuid(), NO_LOCK), None)
+            return lambda: mark_result(publish(task_id or uuid(), NO_LOCK), None)
         call = config.resolve(given)
         if given:
             resolved = {"on_duplicate": call.on_duplicate, "unique_until": call.unique_until}
@@ -552,22 +578,22 @@ class DedupTask(_Task):
         else:  # a subclass's own key (the compat shims)
             key = self.dedup_key(sent_args, sent_kwargs, call, queue_name, serializer)
         if key is None:
-            return admission.admit_unlocked(
-                Admission(self, config, call, None, task_id or uuid(), sent_args, sent_kwargs,
-                          options, publish)
-            )  # fmt: skip
+            unlocked = Admission(self, config, call, None, task_id or uuid(), sent_args,
+                                 sent_kwargs, options, publish)  # fmt: skip
+            return lambda: admission.admit_unlocked(unlocked)
         settings = config.runtime.settings
         # Observed, the store decides and counts: the broker would drop a duplicate unseen.
         observed = call.mode is DedupMode.OBSERVE
         if not observed and native.uses_native(settings.native, settings.broker_scheme, queue_name):
             rates.refuse_native(self)  # the broker deduplicates: no store counts the rate
-            return self._publish_native(call, key, queue_name, task_id, options, publish)
+            native_key = key
+            return lambda: self._publish_native(
+                call, native_key, queue_name, task_id, options, publish
+            )
         if task_id is None:
             task_id = deterministic_task_id(key) if call.deterministic_id else new_task_id()
-        return admission.admit(
-            Admission(self, config, call, key, task_id, sent_args, sent_kwargs, options, publish,
-                      store=config.runtime.store)
-        )  # fmt: skip
+        return Admission(self, config, call, key, task_id, sent_args, sent_kwargs, options,
+                         publish, store=config.runtime.store)  # fmt: skip
 
     def _as_sent(
         self,

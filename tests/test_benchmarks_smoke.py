@@ -33,7 +33,11 @@ def test_benchmark_smoke_run(tmp_path: Path) -> None:
     assert trips["duplicate_rated"] == 1
     for name in ("acquire", "duplicate", "release"):
         assert results["round_trips"][name]["commands"]["evalsha"] == 1
-    assert len(results["targets"]) == 12
+    # 1,000 items with 10% repeats through enqueue_many(per_item=True): one script
+    assert trips["bulk_1000"] == 1
+    assert results["round_trips"]["bulk_1000"]["commands"]["evalsha"] == 1
+    assert results["rows"]["m_bulk_per_item_1000"] > 0  # the bulk rows ran
+    assert len(results["targets"]) == 14
     assert results["rows"]["l_lease_pass_1000"] > 0  # the lease upkeep row ran
     earlier = json.loads(target.read_text())
     earlier["meta"]["date"] = "an earlier run"

@@ -11,6 +11,7 @@ see their modules), and every record carries a TTL.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import time
@@ -40,6 +41,8 @@ __all__ = [
     "REVOKED_POLICY",
     "REVOKED_PREFIX",
     "RUNNING_POLICY",
+    "AcquireItem",
+    "BulkAcquire",
     "Claim",
     "ClaimOutcome",
     "Classify",
@@ -69,6 +72,7 @@ __all__ = [
     "SlotTurn",
     "SlotUsage",
     "SlotWaiter",
+    "acquire_many",
     "gate_record_key",
     "os_error_kind",
     "rated_acquire",
@@ -817,6 +821,53 @@ class RatedAcquire(Protocol):
         reserved place's delay. A command re-sent after a lost reply (the key
         held by ``owner``) answers acquired without counting again.
         """
+
+
+#: One item of ``BulkAcquire.acquire_many``: what ``LockStore.acquire`` takes.
+AcquireItem = tuple[str, str, float, LockMeta]
+
+
+@runtime_checkable
+class BulkAcquire(Protocol):
+    """**Protocol:** a store that acquires many keys in one round trip.
+
+    What ``LockStore.acquire`` does for each item, in one operation:
+    each key is taken if free or expired, else its holder is answered.
+    Each key is atomic on its own (an item never waits for another); the
+    items are not one transaction (a key taken stays taken whatever the
+    others answered). ``enqueue_many(per_item=True)`` uses it; a store
+    without it costs one round trip per item (``acquire_many``).
+    """
+
+    def acquire_many(self, items: Sequence[AcquireItem]) -> list[Lock | None]:
+        """Acquire every ``(key, owner, ttl, meta)``; the answers in the items' order.
+
+        ``None`` where the key was taken, else its holder. The keys must be
+        distinct (``ValueError`` otherwise). One round trip on Redis and
+        PostgreSQL (Redis Cluster: one per hash slot).
+        """
+
+
+def acquire_many(store: LockStore, items: Sequence[AcquireItem]) -> list[Lock | None]:
+    """``store.acquire_many`` where the store has it, else one ``acquire`` per item."""
+    if len({item[0] for item in items}) != len(items):
+        raise ValueError("acquire_many: the keys of one call must be distinct")
+    if not items:
+        return []
+    if isinstance(store, BulkAcquire):
+        return store.acquire_many(items)
+    answers: list[Lock | None] = []
+    try:
+        for key, owner, ttl, meta in items:
+            answers.append(store.acquire(key, owner, ttl, meta))
+    except BaseException:
+        # No item is answered: give back the keys taken so far.
+        for (key, owner, _, _), holder in zip(items, answers, strict=False):
+            if holder is None:
+                with contextlib.suppress(StoreError):
+                    store.release(key, owner)
+        raise
+    return answers
 
 
 #: Whether a store class has ``RatedAcquire``, decided once per class.

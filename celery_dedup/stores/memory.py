@@ -11,13 +11,14 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from .base import (
     FENCE_TTL,
     RECORD_POLICIES,
+    AcquireItem,
     Claim,
     ClaimOutcome,
     Lock,
@@ -98,6 +99,18 @@ class MemoryStore(MemoryLimits):
                 return holder
             self._new(key, owner, ttl, meta, now)
             return None
+
+    def acquire_many(self, items: Sequence[AcquireItem]) -> list[Lock | None]:
+        """``acquire`` for each item under one hold of the table's lock."""
+        answers: list[Lock | None] = []
+        with self._mutex:
+            now = self.clock()
+            for key, owner, ttl, meta in items:
+                holder = self._live(key, now)
+                if holder is None:
+                    self._new(key, owner, ttl, meta, now)
+                answers.append(holder)
+        return answers
 
     def release(self, key: str, owner: str) -> bool:
         """Delete the lock if ``owner`` holds it."""

@@ -46,6 +46,7 @@ from . import is_result_backend
 from .base import (
     FENCE_TTL,
     OUTCOME_FIELD,
+    AcquireItem,
     Claim,
     ClaimOutcome,
     Durability,
@@ -142,6 +143,26 @@ if v then
 end
 write(KEYS[1], ARGV[1], ARGV[2], 3)
 return false
+"""
+
+# ACQUIRE for many keys at once (``enqueue_many(per_item=True)``): each key on
+# its own, in the order given; every key in one hash slot on a cluster.
+# KEYS[i] - the lock key of item i
+# ARGV[2i-1] - the record of item i
+# ARGV[2i] - its ttl in milliseconds
+# return one answer per key: false when acquired, else the holder
+ACQUIRE_MANY = _PRELUDE + """
+local answers = {}
+for i = 1, #KEYS do
+    local v, h = read(KEYS[i])
+    if v then
+        answers[i] = holder(KEYS[i], v, h)
+    else
+        redis.call('set', KEYS[i], ARGV[2 * i - 1], 'PX', ARGV[2 * i])
+        answers[i] = false
+    end
+end
+return answers
 """
 
 # ACQUIRE behind HIT_RATE's window (``redis_limits``), checks before effects:
@@ -795,6 +816,7 @@ class RedisStore(RedisLimits):
         self.keyprefix = keyprefix
         self.label = label
         self._acquire: Script = client.register_script(ACQUIRE)
+        self._acquire_many: Script = client.register_script(ACQUIRE_MANY)
         self._release: Script = client.register_script(RELEASE)
         self._extend: Script = client.register_script(EXTEND)
         self._take_over: Script = client.register_script(TAKE_OVER)
@@ -930,6 +952,33 @@ class RedisStore(RedisLimits):
         args = [record, _ms(ttl), *_legacy_fields(key, owner, meta)]
         raw = self._run(self._acquire, [self._k(key)], args)
         return self._lock(key, raw)
+
+    def acquire_many(self, items: Sequence[AcquireItem]) -> list[Lock | None]:
+        """``acquire`` for every item in one EVALSHA (a key of an earlier version's
+        shape, rare, in one more each)."""
+        answers: list[Lock | None] = [None] * len(items)
+        batch: list[int] = []
+        for index, (key, owner, ttl, meta) in enumerate(items):
+            if _legacy_fields(key, owner, meta):
+                answers[index] = self.acquire(key, owner, ttl, meta)
+            else:
+                batch.append(index)
+        for group in self._bulk_groups([items[i][0] for i in batch]):
+            indexes = [batch[i] for i in group]
+            keys: list[str] = []
+            args: list[Any] = []
+            for index in indexes:
+                key, owner, ttl, meta = items[index]
+                keys.append(self._k(key))
+                args += [_pack(key, _enc(owner), meta, meta.get("started") == "1"), _ms(ttl)]
+            raws = self._run(self._acquire_many, keys, args)
+            for index, raw in zip(indexes, raws, strict=True):
+                answers[index] = self._lock(items[index][0], raw)
+        return answers
+
+    def _bulk_groups(self, keys: Sequence[str]) -> list[list[int]]:
+        """The positions of ``keys`` sent in one script each: all of them, on one server."""
+        return [list(range(len(keys)))] if keys else []
 
     def acquire_rated(
         self,

@@ -107,7 +107,8 @@ class RedisClusterStore(RedisStore):
     Any node of the cluster can be given; the others are discovered.
     ``global_keyprefix`` in ``dedup_store_options`` prefixes every key. The
     scripts are the Redis store's: single-key, so each runs on the key's
-    primary in one round trip.
+    primary in one round trip; ``acquire_many`` sends one script per hash
+    slot among its keys.
     """
 
     name = "redis-cluster"
@@ -138,6 +139,14 @@ class RedisClusterStore(RedisStore):
         """A rate key and a lock key share a hash slot only when both carry one hash
         tag: otherwise ``acquire_rated`` answers ``None`` and the two steps run."""
         return key_slot(self._k(key).encode()) == key_slot(self._k(rate_key).encode())
+
+    def _bulk_groups(self, keys: Sequence[str]) -> list[list[int]]:
+        """``acquire_many`` sends one script per hash slot (a script's keys share one):
+        keys without a common hash tag cost one round trip each."""
+        slots: dict[int, list[int]] = {}
+        for index, key in enumerate(keys):
+            slots.setdefault(key_slot(self._k(key).encode()), []).append(index)
+        return list(slots.values())
 
     def scan(self, prefix: str) -> Iterator[Lock]:
         """Every live lock under ``prefix``: SCAN each primary, read its keys in one pipeline.

@@ -70,6 +70,7 @@ from .base import (
     DONE_POLICY,
     OUTCOME_FIELD,
     RUNNING_POLICY,
+    AcquireItem,
     Claim,
     Lock,
     LockMeta,
@@ -492,6 +493,17 @@ class SQLStore(SQLLimits):
         row = self._run(lambda d, run: d.acquire(run, params), key)
         self._maybe_reap()
         return None if row is None else self._lock(key, row)
+
+    def acquire_many(self, items: Sequence[AcquireItem]) -> list[Lock | None]:
+        """``acquire`` for every item: one statement on PostgreSQL (eight arrays,
+        one upsert), one per item on one connection elsewhere."""
+        params = [self._params(key, owner, ttl, meta) for key, owner, ttl, meta in items]
+        first = items[0][0] if items else ""
+        rows = self._run(lambda d, run: d.acquire_many(run, params), first)
+        self._maybe_reap()
+        return [None if row is None else self._lock(item[0], row) for item, row in zip(
+            items, rows, strict=True
+        )]
 
     def release(self, key: str, owner: str) -> bool:
         """Delete the row if ``owner`` holds it and it is live (one DELETE)."""

@@ -504,6 +504,11 @@ class _Dialect:
         """Take the key; ``None`` when taken, else the holder's row."""
         raise NotImplementedError
 
+    def acquire_many(self, run: _Runner, items: Sequence[dict[str, Any]]) -> list[Any]:
+        """``acquire`` for each item on one connection: one statement each (a dialect
+        without one statement for many)."""
+        return [self.acquire(run, params) for params in items]
+
     def take_over(self, run: _Runner, params: dict[str, Any]) -> Any:
         """Become the holder; the previous row (live or not), or ``None``."""
         raise NotImplementedError
@@ -589,6 +594,8 @@ class _Postgres(_Dialect):
             .union_all(held)
         )
 
+        self.acquire_many_stmt = self.render(self._acquire_many_statement(new))
+
         # UPDATE … FROM (SELECT … FOR UPDATE) returns the row's values before
         # the update, re-read after waiting for a concurrent writer.
         old = select(lock_table).where(self.at_key).with_for_update().subquery("old")
@@ -638,6 +645,60 @@ class _Postgres(_Dialect):
                 self.live,
             )
             .values(expires_at=self.now + bindparam("b_lease", type_=Double()))
+        )
+
+    def _acquire_many_statement(self, new: dict[str, Any]) -> Select[Any]:
+        """``acquire`` for every row of eight arrays (``b_keys``…``b_ttls``), one statement.
+
+        The rows are inserted in key order (two bulk calls never wait on
+        each other in a cycle); a row answers ``taken`` or its holder as
+        read in the statement's snapshot (``acquire_many`` runs again the
+        rows whose holder committed after it).
+        """
+        arrays: dict[str, Any] = {
+            "key": String(), "owner": String(), "task_id": String(), "task_name": String(),
+            "policy": String(), "started": Boolean(), "token": String(), "ttl": Double(),
+        }  # fmt: skip
+        rows = (
+            func.unnest(
+                *(
+                    bindparam(f"b_{name}s", type_=postgresql.ARRAY(kind))
+                    for name, kind in arrays.items()
+                )
+            )
+            .table_valued(*arrays, with_ordinality="ord")
+            .render_derived(name="rows")
+        )
+        items = select(rows).cte("items")
+        columns = [name for name in arrays if name != "ttl"]
+        ins = postgresql.insert(lock_table).from_select(
+            [*columns, "acquired_at", "expires_at"],
+            select(
+                *(items.c[name] for name in columns), self.now, self.now + items.c.ttl
+            ).order_by(items.c.key),
+        )
+        taken = (
+            ins.on_conflict_do_update(
+                index_elements=[_L.key],
+                set_={name: ins.excluded[name] for name in new},
+                where=_L.expires_at <= self.now,
+            )
+            .returning(_L.key)
+            .cte("taken")
+        )
+        return (
+            select(
+                items.c.ord,
+                taken.c.key.is_not(None).label("taken"),
+                *_LOCK_COLUMNS,
+                self.now.label("now"),
+            )
+            .select_from(
+                items.outerjoin(taken, taken.c.key == items.c.key).outerjoin(
+                    lock_table, and_(_L.key == items.c.key, taken.c.key.is_(None))
+                )
+            )
+            .order_by(items.c.ord)
         )
 
     def _revoked(self, displaced: CTE) -> CTE:
@@ -902,6 +963,29 @@ class _Postgres(_Dialect):
                 continue
             return None if row.taken else row
         raise _contention(params["b_key"])
+
+    def acquire_many(self, run: _Runner, items: Sequence[dict[str, Any]]) -> list[Any]:
+        answers: list[Any] = [None] * len(items)
+        pending = list(range(len(items)))
+        for _ in range(_RACE_RETRIES):
+            arrays = {
+                f"{name}s": [items[i][name] for i in pending]
+                for name in (
+                    "b_key", "b_owner", "b_task_id", "b_task_name", "b_policy", "b_started",
+                    "b_token", "b_ttl",
+                )
+            }  # fmt: skip
+            again = []
+            for row in run(self.acquire_many_stmt, arrays).rows:
+                index = pending[int(row.ord) - 1]
+                if not row.taken and (row.owner is None or row.expires_at <= row.now):
+                    again.append(index)  # a holder committed after the snapshot
+                else:
+                    answers[index] = None if row.taken else row
+            if not again:
+                return answers
+            pending = again
+        raise _contention(items[pending[0]]["b_key"])
 
     def take_over(self, run: _Runner, params: dict[str, Any]) -> Any:
         return self._take_over(run, self.take_over_stmt, params)

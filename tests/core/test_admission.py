@@ -1,6 +1,8 @@
 """The admission pipeline's invariants over every policy, limit, call path and id (issue 31).
 
-A generated matrix, producer side, on Redis and PostgreSQL: a first call is
+A generated matrix, producer side, on Redis and PostgreSQL (call paths include
+``enqueue_many(per_item=True)`` of one item, whose reported refusal is
+raised by ``_call``): a first call is
 published; an identical call follows its ``on_duplicate``; a call of other
 arguments under the same full rate key is refused (or, on a path the canvas
 rules protect, published with a countdown); a call whose publish fails
@@ -23,7 +25,7 @@ Pruned, because they are provably the same code path:
   it (the limit is the worker's), so the id cannot change what the
   producer does; the column proves it adds no step and loses nothing.
 * the store-error and broker-down columns run with random ids and on the
-  ``delay``, group member and worker-side paths: the id is fixed before
+  ``delay``, group member, worker-side and ``per_item`` paths: the id is fixed before
   any store round trip, and a signature or chord member goes through
   the same ``apply_async`` as ``delay`` or a group member (``canvas``
   reads ``group_id``/``chord`` alike: ``is_member``).
@@ -49,6 +51,7 @@ from celery_dedup import (
     DedupTask,
     DuplicateTaskError,
     RateLimited,
+    enqueue_many,
     inspect_lock,
     task_observed,
 )
@@ -61,7 +64,10 @@ from .conftest import AppFactory
 
 POLICIES = ("existing", "raise", "replace", "keep_last", "cancel_running")
 LIMITS = ("none", "rate", "rate_callable", "concurrency")
-PATHS = ("delay", "signature", "chain_first", "group_member", "chord_member", "worker_side")
+PATHS = (
+    "delay", "signature", "chain_first", "group_member", "chord_member", "worker_side",
+    "per_item",
+)
 IDS = ("random", "deterministic", "caller")
 _names = itertools.count()
 #: bodies run by eager calls: (task name, n)
@@ -154,6 +160,12 @@ def _call(app: Celery, job: Any, path: str, ids: str, n: int) -> Any:
     if path == "worker_side":
         with _InWorker(app):
             return job.apply_async(("u", n), **options)
+    if path == "per_item":
+        # A refused or failed item is reported, not raised: raise what it reports.
+        outcome = enqueue_many([job.s("u", n).set(**options)], per_item=True, app=app)[0]
+        if outcome.error is not None:
+            raise outcome.error
+        return outcome.result
     return job.apply_async(("u", n), **options)
 
 
@@ -414,7 +426,9 @@ def test_eager_runs_admitted_bodies_once(
     assert _queued(app) == 0
 
 
-ERROR_PATHS = ("delay", "group_member", "worker_side")
+ERROR_PATHS = ("delay", "group_member", "worker_side", "per_item")
+#: the paths a refusal raises from (``per_item``: reported per item, ``_call`` raises it)
+RAISING = ("delay", "per_item")
 
 
 @pytest.fixture(params=["redis", pytest.param("postgres", marks=pytest.mark.postgres)])
@@ -494,13 +508,13 @@ def test_broker_down_leaves_nothing(
     # (never suppressed) or a take-over must publish, and its publish fails.
     takes_over = policy in ("replace", "keep_last", "cancel_running")
     if path != "group_member" and not takes_over:
-        if policy == "raise" and path == "delay":
+        if policy == "raise" and path in RAISING:
             with pytest.raises(DuplicateTaskError):
                 _call(down, job, path, "random", 1)
         else:
             again = _call(down, job, path, "random", 1)
             assert again.deduplicated is True and again.id == holder.id
-    elif path == "delay" and limit == "rate":
+    elif path in RAISING and limit == "rate":
         with pytest.raises(RateLimited):  # the take-over is a new publish: over the rate
             _call(down, job, path, "random", 1)
     else:

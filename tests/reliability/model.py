@@ -167,6 +167,8 @@ class Call:
     retry_window: float | None = None
     #: ``dedup_mode="observe"``: its run goes on when another publish holds the key
     observe: bool = False
+    #: made by ``enqueue_many(per_item=True)`` (t0, t1: the whole bulk call's)
+    bulk: bool = False
 
 
 @dataclass(frozen=True)

@@ -310,6 +310,9 @@ def _remember_publish(headers: Mapping[str, Any] | None = None, **_: Any) -> Non
     header = header_in(headers)
     token = header.token if header is not None and header.token else ""
     _published.last = (str((headers or {}).get("id", "")), str(token))
+    tokens = getattr(_published, "tokens", None)
+    if tokens is not None:  # a bulk call: every item's publish
+        tokens[_published.last[0]] = _published.last[1]
 
 
 @task_observed.connect(weak=False)
@@ -344,30 +347,7 @@ class Producer:
         ``seq`` names the call in the record (its plan carries it to the body).
         A ``CancelTimeout`` is recorded as outcome ``cancel_timeout``.
         """
-        call = task.dedup_config().resolve(pop_call_options(dict(options)))
-        key = dedup_key_for(task, args, kwargs, **options) or ""
-        countdown = float(options.get("countdown") or 0.0)
-        # An observing call never takes a key over: it acquires, or is published anyway.
-        observing = call.mode.value == "observe"
-        policy = "existing" if observing else call.on_duplicate.value
-        common: dict[str, Any] = {
-            "key": key,
-            "until": call.unique_until.value,
-            "unique_for": float(call.unique_for or 0.0),
-            # keep_last and cancel_running take the lock over as replace does
-            # (keep_last adds a run gate; cancel_running waits for a running holder).
-            "replace": policy in ("replace", "keep_last", "cancel_running"),
-            "keep_last": policy == "keep_last",
-            "cancel": policy == "cancel_running",
-            "max_wait": call.debounce_max_wait if policy == "replace" else None,
-            "countdown": countdown,
-            "seq": seq,
-            "observe": observing,
-            # The worker shortens a failed run's lock only under these policies.
-            "retry_window": (
-                call.retry_window if call.unique_until.value in ("success", "expiry") else None
-            ),
-        }
+        common = self._common(task, args, kwargs, seq, options)
         _published.last = None
         _published.observed = None
         t0 = time.time()
@@ -409,6 +389,84 @@ class Producer:
                 Call(t0=t0, t1=t1, outcome="published", task_id=task_id, token=token, **common)
             )
         return result
+
+    def call_many(
+        self, task: Any, calls: Sequence[tuple[Sequence[Any], str, Mapping[str, Any]]]
+    ) -> Any:
+        """``enqueue_many(per_item=True)`` of ``(args, seq, options)`` calls, each recorded
+        as a call of its own over the whole bulk call's time (``bulk=True``)."""
+        from celery_dedup import ItemStatus, enqueue_many
+
+        commons = [
+            {**self._common(task, args, None, seq, options), "bulk": True}
+            for args, seq, options in calls
+        ]
+        _published.tokens = {}
+        t0 = time.time()
+        for common, (_, _, options) in zip(commons, calls, strict=True):
+            if options.get("expires") is not None:
+                common["expires_at"] = t0 + float(options["expires"])
+        try:
+            outcomes = enqueue_many(
+                [task.s(*args).set(**options) for args, _, options in calls],
+                per_item=True,
+                app=task.app,
+            )
+        finally:
+            tokens, _published.tokens = _published.tokens, None
+        t1 = time.time()
+        for common, outcome in zip(commons, outcomes, strict=True):
+            status, error, result = outcome.status, outcome.error, outcome.result
+            if status is ItemStatus.PUBLISHED:
+                task_id, token = result.id, tokens.get(result.id, "")
+                self._record(Call(t0=t0, t1=t1, outcome="published", task_id=task_id,
+                                  token=token, **common))  # fmt: skip
+            elif status is ItemStatus.DUPLICATE:
+                self._record(Call(t0=t0, t1=t1, outcome="deduplicated", task_id=result.id,
+                                  **common))  # fmt: skip
+            elif isinstance(error, DuplicateTaskError):
+                self._record(Call(t0=t0, t1=t1, outcome="raised",
+                                  task_id=error.existing_task_id, **common))  # fmt: skip
+            elif isinstance(error, CancelTimeout):
+                self._record(Call(t0=t0, t1=t1, outcome="cancel_timeout", task_id="", **common))
+            else:
+                self._record(Call(t0=t0, t1=t1, outcome="failed", task_id="", **common))
+        return outcomes
+
+    @staticmethod
+    def _common(
+        task: Any,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any] | None,
+        seq: str,
+        options: Mapping[str, Any],
+    ) -> dict[str, Any]:
+        """The fields of a call's record known before it is made."""
+        call = task.dedup_config().resolve(pop_call_options(dict(options)))
+        key = dedup_key_for(task, args, kwargs, **options) or ""
+        countdown = float(options.get("countdown") or 0.0)
+        # An observing call never takes a key over: it acquires, or is published anyway.
+        observing = call.mode.value == "observe"
+        policy = "existing" if observing else call.on_duplicate.value
+        common: dict[str, Any] = {
+            "key": key,
+            "until": call.unique_until.value,
+            "unique_for": float(call.unique_for or 0.0),
+            # keep_last and cancel_running take the lock over as replace does
+            # (keep_last adds a run gate; cancel_running waits for a running holder).
+            "replace": policy in ("replace", "keep_last", "cancel_running"),
+            "keep_last": policy == "keep_last",
+            "cancel": policy == "cancel_running",
+            "max_wait": call.debounce_max_wait if policy == "replace" else None,
+            "countdown": countdown,
+            "seq": seq,
+            "observe": observing,
+            # The worker shortens a failed run's lock only under these policies.
+            "retry_window": (
+                call.retry_window if call.unique_until.value in ("success", "expiry") else None
+            ),
+        }
+        return common
 
     def revoke(self, result: Any, **options: Any) -> str:
         """``celery_dedup.revoke(result)``, recorded; returns the outcome's value."""

@@ -155,6 +155,9 @@ def test_soak_finds_no_violation(
     assert any(c.cancel and c.outcome == "published" for c in trace.calls), report
     assert any(e.kind == "end" and e.outcome == "interrupted" for e in trace.events), report
     assert any(c.max_wait is not None and c.outcome == "published" for c in trace.calls), report
+    # The bulk call path published and suppressed items.
+    bulk = Counter(c.outcome for c in trace.calls if c.bulk)
+    assert bulk["published"] > 0 and bulk["deduplicated"] > 0, report
     kinds = Counter(e.kind for e in trace.events)
     assert kinds["start"] > 0 and kinds["skipped"] > 0 and kinds["revoked"] > 0, report
     if fence:  # every run that started had a token, judged by check_fences

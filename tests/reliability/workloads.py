@@ -15,7 +15,9 @@ callable limit where the run enables it) and what its body
 will do (sleep, fail, retry with a countdown), and some published calls are revoked shortly
 after. Every eleventh key without a fixed policy only observes
 (``dedup_mode="observe"``): its refused calls are published anyway, and each
-must run. ``cancel_running`` bodies sleep longer, so calls find them running
+must run. One step in sixteen makes 2 to 6 calls at once through
+``enqueue_many(per_item=True)`` (the bulk call path), some repeating a key of
+the same call. ``cancel_running`` bodies sleep longer, so calls find them running
 and terminate them. Every call is named (``seq``) in its plan, so the
 checker knows whose arguments each run carried. Producers pace their calls
 to a fixed total rate.
@@ -38,7 +40,7 @@ from celery_dedup.runtime import runtime_for
 from .apps import make_app, work_task
 from .probe import Producer, Recorder
 
-__all__ = ["SoakPlan", "Workload", "produce", "race"]
+__all__ = ["SoakPlan", "Workload", "bulk", "produce", "race"]
 
 UNTILS = ("start", "success", "finish", "expiry")
 
@@ -48,6 +50,8 @@ CANCEL_UNTILS = ("success", "finish", "expiry")
 #: a capped debounce's ``debounce_max_wait``, and its calls' countdowns
 MAX_WAIT = 0.6
 DEBOUNCE_COUNTDOWN = (0.3, 1.5)
+#: the share of steps that are bulk calls (``enqueue_many(per_item=True)``)
+BULK_SHARE = 1 / 16
 
 
 @dataclass(frozen=True)
@@ -115,10 +119,17 @@ class Workload:
             )
         return options
 
-    def next_call(self) -> tuple[int, dict[str, Any], dict[str, Any], float | None]:
-        """``(n, plan, options, revoke_after)`` of the next call."""
+    def bulk_size(self) -> int:
+        """How many calls the next step makes: 1 (``apply_async``), or 2 to 6 at once
+        through ``enqueue_many(per_item=True)`` (one step in sixteen)."""
+        return self.rng.randint(2, 6) if self.rng.random() < BULK_SHARE else 1
+
+    def next_call(
+        self, n: int | None = None
+    ) -> tuple[int, dict[str, Any], dict[str, Any], float | None]:
+        """``(n, plan, options, revoke_after)`` of the next call (of key ``n`` when given)."""
         rng = self.rng
-        n = rng.randrange(self.keys)
+        n = rng.randrange(self.keys) if n is None else n
         options = self.profile(n)
         pick = rng.random()
         on_duplicate = "existing" if pick < 0.7 else "raise" if pick < 0.85 else "replace"
@@ -177,6 +188,10 @@ def produce(
         due = start_at + i * interval
         revoke_due(due)
         time.sleep(max(0.0, due - time.time()))
+        size = workload.bulk_size()
+        if size > 1:
+            bulk(workload, producer, task, size, f"{index}-{i}", revokes)
+            continue
         n, body, options, revoke_after = workload.next_call()
         body["seq"] = seq = f"{index}-{i}"
         try:
@@ -190,6 +205,30 @@ def produce(
     runtime_for(app).metrics.flush()
     recorder.close()
     app.close()
+
+
+def bulk(
+    workload: Workload,
+    producer: Producer,
+    task: Any,
+    size: int,
+    seq: str,
+    revokes: list[tuple[float, Any]],
+) -> None:
+    """One ``enqueue_many(per_item=True)`` of ``size`` calls; a third of the later ones
+    repeat an earlier call's key (an in-call duplicate)."""
+    drawn: list[tuple[int, dict[str, Any], dict[str, Any], float | None]] = []
+    for j in range(size):
+        again = drawn and workload.rng.random() < 1 / 3
+        drawn.append(workload.next_call(workload.rng.choice(drawn)[0] if again else None))
+        drawn[-1][1]["seq"] = f"{seq}-b{j}"
+    outcomes = producer.call_many(
+        task, [((n, body), body["seq"], options) for n, body, options, _ in drawn]
+    )
+    for (_, _, _, revoke_after), outcome in zip(drawn, outcomes, strict=True):
+        if revoke_after is not None and outcome.status.value == "published":
+            revokes.append((time.time() + revoke_after, outcome.result))
+    revokes.sort(key=lambda item: item[0])
 
 
 def race(

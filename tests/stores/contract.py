@@ -32,6 +32,7 @@ from celery_dedup.stores.base import (
     RevokingTakeOver,
     RunOutcome,
     RunRef,
+    acquire_many,
 )
 from tests.fixtures._store_case import StoreCase
 
@@ -139,6 +140,63 @@ class StoreContract:
         assert store.extend("k:fp", owner, 40) is True
         assert store.release("k:fp", owner) is True
         assert store.get("k:fp") is None
+
+    def test_acquire_many_answers_as_acquire_per_item(self, store_case: StoreCase) -> None:
+        """acquire_many takes free and expired keys, answers the holders of held ones (in
+        the items' order, the holder's own fields) and refuses repeated keys."""
+        store = store_case.store
+        assert store.acquire("bulk:held", "owner-a", 30, META) is None
+        assert store.acquire("bulk:expired", "owner-a", 0.3, META) is None
+        wait_until_gone(store, "bulk:expired")
+        keys = ["bulk:free-1", "bulk:held", "bulk:expired", "bulk:free-2"]
+        answers = acquire_many(store, [(key, "owner-b", 30, OTHER_META) for key in keys])
+        assert [a is None for a in answers] == [True, False, True, True]
+        holder = answers[1]
+        assert holder is not None
+        assert (holder.key, holder.owner, holder.task_id, holder.task_name) == (
+            "bulk:held", "owner-a", "id-a", "tests.add",
+        )
+        assert 25 < holder.ttl <= 30.001
+        for key in ("bulk:free-1", "bulk:expired", "bulk:free-2"):
+            lock = store.get(key)
+            assert lock is not None and (lock.owner, lock.task_id) == ("owner-b", "id-b")
+        again = acquire_many(store, [("bulk:free-1", "owner-c", 30, META)])
+        assert again[0] is not None and again[0].owner == "owner-b"
+        assert acquire_many(store, []) == []
+        with pytest.raises(ValueError, match="distinct"):
+            acquire_many(store, [("bulk:x", "o", 30, META), ("bulk:x", "p", 30, META)])
+        assert store.get("bulk:x") is None
+
+    def test_acquire_many_races_give_each_key_one_holder(self, store_case: StoreCase) -> None:
+        """Threads bulk-acquiring overlapping keys in different orders: every key is taken
+        by exactly one of them and every other one is told that holder."""
+        store = store_case.store
+        keys = [f"bulk-race:{i:03d}" for i in range(60)]
+        seen: dict[str, list[str]] = {key: [] for key in keys}
+        barrier = threading.Barrier(4)
+        errors: list[BaseException] = []
+
+        def run(n: int) -> None:
+            mine = keys[n * 15 :] + keys[: n * 15]
+            try:
+                barrier.wait()
+                answers = acquire_many(store, [(k, f"bulk-{n}", 60, META) for k in mine])
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+                return
+            for key, answer in zip(mine, answers, strict=True):
+                seen[key].append(f"bulk-{n}" if answer is None else answer.owner)
+
+        threads = [threading.Thread(target=run, args=(n,)) for n in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert not errors
+        for key in keys:
+            lock = store.get(key)
+            assert lock is not None
+            assert seen[key] == [lock.owner] * 4, key
 
     def test_keys_are_independent(self, store_case: StoreCase) -> None:
         """Locks on different keys do not interfere, and keys compare case-sensitively."""

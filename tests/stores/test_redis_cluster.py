@@ -201,3 +201,37 @@ def test_rate_and_lock_in_one_script_only_within_one_hash_slot(store: RedisClust
                                delay=False, unique_for=5)  # fmt: skip
     assert held is not None and held.holder is not None and held.holder.owner == "o"
     assert store.rate_window("{u}:rate", 1, 60).count == 1
+
+
+def _evalsha_calls(cluster: RedisClusterServer) -> int:
+    total = 0
+    for port in cluster.ports:
+        with cluster.node(port) as client:
+            stats = client.info("commandstats")
+            total += int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
+    return total
+
+
+def test_acquire_many_sends_one_script_per_hash_slot(
+    store: RedisClusterStore, redis_cluster: RedisClusterServer
+) -> None:
+    """acquire_many runs one EVALSHA per hash slot among its keys: one for keys sharing a
+    hash tag (a tagged prefix), one per key for keys that spread over the slots."""
+    from redis.crc import key_slot
+
+    from celery_dedup.stores.base import acquire_many
+
+    tagged = [f"{{celery-dedup}}:tasks.add:{i:03d}" for i in range(40)]
+    spread = [f"celery-dedup:tasks.add:{i:03d}" for i in range(40)]
+    acquire_many(store, [("warm", "o", 30, META)])  # loads the script on a primary
+    for keys in (tagged, spread):
+        before = _evalsha_calls(redis_cluster)
+        answers = acquire_many(store, [(key, "o", 30, META) for key in keys])
+        slots = {key_slot(key.encode()) for key in keys}
+        # (a primary that never ran the script loads it once: NOSCRIPT, then again)
+        sent = _evalsha_calls(redis_cluster) - before
+        assert len(slots) <= sent <= len(slots) + len(redis_cluster.ports)
+        assert answers == [None] * len(keys)
+    assert len({key_slot(key.encode()) for key in tagged}) == 1
+    holders = acquire_many(store, [(key, "p", 30, META) for key in tagged])
+    assert all(holder is not None and holder.owner == "o" for holder in holders)

@@ -13,10 +13,13 @@ from typing import Any
 from celery import Celery, group
 
 from celery_dedup import (
+    BulkResult,
     DeduplicatedResult,
     DedupTask,
     DuplicateTaskError,
     Identity,
+    ItemOutcome,
+    ItemStatus,
     Lock,
     OnDuplicate,
     UniqueUntil,
@@ -120,6 +123,13 @@ def batches() -> None:
     result = enqueue_many(batch, deduplication_key="digest-run:2026-11-22", unique_for=3600)
     print(result.id)
     group(batch).apply_async()
+    outcomes: BulkResult = enqueue_many(batch, per_item=True)
+    for outcome in outcomes:
+        status: ItemStatus = outcome.status
+        error: BaseException | None = outcome.error
+        print(outcome.index, status.value, outcome.result, error)
+    published: list[ItemOutcome] = outcomes.with_status("published")
+    print(len(published), outcomes.results)
 
 
 def helpers() -> None:
