@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sqlite3
 from collections import namedtuple
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from typing import Any, NamedTuple, Protocol, TypeVar
 
@@ -568,15 +568,7 @@ class _Postgres(_Dialect):
         values = self.row_values()
         new = {name: value for name, value in values.items() if name != "key"}
         ins = postgresql.insert(lock_table).values(**values)
-        taken = (
-            ins.on_conflict_do_update(
-                index_elements=[_L.key],
-                set_={name: ins.excluded[name] for name in new},
-                where=_L.expires_at <= self.now,
-            )
-            .returning(_L.key)
-            .cte("taken")
-        )
+        taken = self._take_lapsed(ins, new)
         # The second branch reads the holder in the statement's snapshot, so a
         # row committed after the snapshot is missed (no row) or seen in an
         # older version (expired): acquire() re-runs the statement for those.
@@ -677,15 +669,7 @@ class _Postgres(_Dialect):
                 *(items.c[name] for name in columns), self.now, self.now + items.c.ttl
             ).order_by(items.c.key),
         )
-        taken = (
-            ins.on_conflict_do_update(
-                index_elements=[_L.key],
-                set_={name: ins.excluded[name] for name in new},
-                where=_L.expires_at <= self.now,
-            )
-            .returning(_L.key)
-            .cte("taken")
-        )
+        taken = self._take_lapsed(ins, new)
         return (
             select(
                 items.c.ord,
@@ -699,6 +683,18 @@ class _Postgres(_Dialect):
                 )
             )
             .order_by(items.c.ord)
+        )
+
+    def _take_lapsed(self, ins: postgresql.Insert, columns: Iterable[str]) -> CTE:
+        """``ins``, overwriting ``columns`` of a lock whose TTL lapsed; the keys it wrote."""
+        return (
+            ins.on_conflict_do_update(
+                index_elements=[_L.key],
+                set_={name: ins.excluded[name] for name in columns},
+                where=_L.expires_at <= self.now,
+            )
+            .returning(_L.key)
+            .cte("taken")
         )
 
     def _revoked(self, displaced: CTE) -> CTE:

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
@@ -82,3 +83,17 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 10, interval: floa
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout}s")
         time.sleep(interval)
+
+
+@pytest.fixture
+def runs(redis_server: RedisServer) -> redis.Redis:
+    """The Redis database the bodies count their runs in (flushed with the app's)."""
+    return redis.Redis.from_url(redis_server.url(4))
+
+
+@pytest.fixture(params=["redis", pytest.param("postgres", marks=pytest.mark.postgres)])
+def store_conf(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """The store keeping locks, slots and runs: the Redis result backend, or PostgreSQL."""
+    if request.param == "redis":
+        return {}
+    return {"dedup_store": request.getfixturevalue("store_postgres").url}

@@ -58,10 +58,37 @@ def check_outcomes(outcomes: BulkResult, held: dict[int, str]) -> dict[int, str]
     return owner
 
 
-@pytest.mark.parametrize("backend", [
+#: the two stores that keep the bulk round trip at one (a test's ``backend``)
+BACKENDS = pytest.mark.parametrize("backend", [
     pytest.param("redis", marks=pytest.mark.redis, id="redis"),
     pytest.param("postgres", marks=pytest.mark.postgres, id="postgres"),
 ])  # fmt: skip
+
+
+def counted_job(
+    app_factory: AppFactory,
+    redis_server: RedisServer,
+    request: pytest.FixtureRequest,
+    backend: str,
+    name: str,
+    **conf: Any,
+) -> tuple[Celery, Any, Any]:
+    """An app on ``backend``'s store and its ``job(n)``, whose body appends ``n`` to the
+    Redis list ``name``; returns the app, the task and that Redis client."""
+    store_url = request.getfixturevalue("store_postgres").url if backend == "postgres" else None
+    app = app_factory(name, dedup_store=store_url, **conf)
+    runs = redis_server.client(5)
+    runs.delete(name)
+
+    @app.task(base=DedupTask, shared=False, unique_for=300)
+    def job(n: int) -> int:
+        runs.rpush(name, n)
+        return n
+
+    return app, job, runs
+
+
+@BACKENDS
 def test_thousand_items_run_once_per_distinct_key(
     app_factory: AppFactory,
     worker_for: Any,
@@ -72,16 +99,7 @@ def test_thousand_items_run_once_per_distinct_key(
     """1,000 items, 10% repeating a key (and 10 keys held by earlier calls): a real worker
     runs each of the 900 distinct keys' bodies exactly once; the outcomes follow input
     order; afterwards the store holds no lock of the task."""
-    store_url = request.getfixturevalue("store_postgres").url if backend == "postgres" else None
-    app = app_factory("bulk", dedup_store=store_url)
-    runs = redis_server.client(5)
-    runs.delete("bulk-runs")
-
-    @app.task(base=DedupTask, shared=False, unique_for=300)
-    def job(n: int) -> int:
-        runs.rpush("bulk-runs", n)
-        return n
-
+    app, job, runs = counted_job(app_factory, redis_server, request, backend, "bulk-runs")
     held = {n: job.delay(n).id for n in range(0, DISTINCT, 90)}  # 10 keys held already
     outcomes = enqueue_many([job.s(item_key(i)) for i in range(ITEMS)], per_item=True, app=app)
     owner = check_outcomes(outcomes, held)
@@ -382,10 +400,7 @@ def test_a_subclass_with_its_own_apply_async_is_called(app_factory: AppFactory) 
     assert seen == [(1,), (2,), (1,)]
 
 
-@pytest.mark.parametrize("backend", [
-    pytest.param("redis", marks=pytest.mark.redis, id="redis"),
-    pytest.param("postgres", marks=pytest.mark.postgres, id="postgres"),
-])  # fmt: skip
+@BACKENDS
 def test_observing_items_are_published_anyway_and_counted(
     app_factory: AppFactory,
     worker_for: Any,
@@ -396,16 +411,9 @@ def test_observing_items_are_published_anyway_and_counted(
     """Under ``dedup_mode="observe"`` a bulk call publishes every item, a key repeated in
     the call or held by an earlier call included: each runs once, each would-be duplicate
     is counted once, and the holder keeps (then releases) its lock."""
-    store_url = request.getfixturevalue("store_postgres").url if backend == "postgres" else None
-    app = app_factory("bulk-observe", dedup_store=store_url, dedup_mode="observe")
-    runs = redis_server.client(5)
-    runs.delete("bulk-observed")
-
-    @app.task(base=DedupTask, shared=False, unique_for=300)
-    def job(n: int) -> int:
-        runs.rpush("bulk-observed", n)
-        return n
-
+    app, job, runs = counted_job(
+        app_factory, redis_server, request, backend, "bulk-observed", dedup_mode="observe"
+    )
     holder = job.delay(1)
     outcomes = enqueue_many([job.s(n) for n in (1, 2, 2, 3)], per_item=True, app=app)
     assert [o.status for o in outcomes] == [ItemStatus.PUBLISHED] * 4

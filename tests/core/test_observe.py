@@ -20,25 +20,10 @@ from celery_dedup import DedupTask, InvalidOptionError, RateLimited, inspect_loc
 from celery_dedup.metrics import key_counter
 from celery_dedup.runtime import runtime_for
 from tests.fixtures._events import Recorder
-from tests.fixtures.redis import RedisServer
 
 from .conftest import AppFactory, wait_until
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(180)]
-
-
-@pytest.fixture
-def runs(redis_server: RedisServer) -> redis.Redis:
-    """The Redis database the bodies count their runs in (flushed with the app's)."""
-    return redis.Redis.from_url(redis_server.url(4))
-
-
-@pytest.fixture(params=["redis", pytest.param("postgres", marks=pytest.mark.postgres)])
-def store_conf(request: pytest.FixtureRequest) -> dict[str, Any]:
-    """The lock store: the Redis result backend, or PostgreSQL."""
-    if request.param == "redis":
-        return {}
-    return {"dedup_store": request.getfixturevalue("store_postgres").url}
 
 
 @pytest.fixture

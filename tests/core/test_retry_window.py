@@ -13,23 +13,8 @@ import pytest
 import redis
 
 from celery_dedup import DedupTask, InvalidOptionError, OptionCombinationError, inspect_lock
-from tests.fixtures.redis import RedisServer
 
 from .conftest import AppFactory, wait_until
-
-
-@pytest.fixture
-def runs(redis_server: RedisServer) -> redis.Redis:
-    """The Redis database the bodies count their runs in (flushed with the app's)."""
-    return redis.Redis.from_url(redis_server.url(4))
-
-
-@pytest.fixture(params=["redis", pytest.param("postgres", marks=pytest.mark.postgres)])
-def store_conf(request: pytest.FixtureRequest) -> dict[str, Any]:
-    """The lock store: the Redis result backend, or PostgreSQL."""
-    if request.param == "redis":
-        return {}
-    return {"dedup_store": request.getfixturevalue("store_postgres").url}
 
 
 def test_a_failure_holds_the_key_only_for_the_cooldown(

@@ -29,14 +29,6 @@ from tests.fixtures.redis import RedisServer
 from .conftest import AppFactory, wait_until
 
 
-@pytest.fixture(params=["redis", pytest.param("postgres", marks=pytest.mark.postgres)])
-def store_conf(request: pytest.FixtureRequest) -> dict[str, Any]:
-    """The store keeping slots and runs: the Redis result backend, or PostgreSQL."""
-    if request.param == "redis":
-        return {}
-    return {"dedup_store": request.getfixturevalue("store_postgres").url}
-
-
 def test_waiting_calls_run_in_call_order_each_once(
     app_factory: AppFactory,
     worker_for: Any,
