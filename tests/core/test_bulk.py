@@ -21,7 +21,7 @@ from celery_dedup import (
 from celery_dedup.runtime import runtime_for
 from celery_dedup.stores.redis import RedisStore
 from celery_dedup.stores.sql import SQLStore
-from tests.core.test_round_trips import counting_client, measure
+from tests.core.test_round_trips import app_on_store, counting_client, measure
 from tests.fixtures._store_case import StoreCase
 from tests.fixtures.redis import RedisServer
 
@@ -125,9 +125,7 @@ def test_per_item_costs_one_round_trip_on_redis(redis_server: RedisServer) -> No
     call of the same items (all held now) one more."""
     client = counting_client(redis_server, 9)
     client.flushdb()
-    app = Celery("bulk-rt", broker="memory://", backend="cache+memory://", set_as_current=False)
-    app.conf.update(dedup_metrics_flush_interval=3600)
-    runtime_for(app).use_store(RedisStore(client))
+    app = app_on_store("bulk-rt", RedisStore(client))
 
     @app.task(base=DedupTask, shared=False, unique_for=30)
     def job(n: int) -> int:
@@ -154,9 +152,7 @@ def test_per_item_costs_one_statement_on_postgres(store_postgres: StoreCase) -> 
     some held already, are one multi-row upsert."""
     store = store_postgres.store
     assert isinstance(store, SQLStore)
-    app = Celery("bulk-pg", broker="memory://", backend="cache+memory://", set_as_current=False)
-    app.conf.update(dedup_metrics_flush_interval=3600)
-    runtime_for(app).use_store(store)
+    app = app_on_store("bulk-pg", store)
 
     @app.task(base=DedupTask, shared=False, unique_for=30)
     def job(n: int) -> int:

@@ -7,12 +7,12 @@ from typing import Any
 
 import pytest
 import redis
-from celery import Celery, group
+from celery import group
 
 from celery_dedup import DedupTask, RateLimited, release
 from celery_dedup.runtime import runtime_for
 from celery_dedup.stores.redis import RedisStore
-from tests.core.test_round_trips import counting_client, measure
+from tests.core.test_round_trips import app_on_store, counting_client, measure
 from tests.fixtures.redis import RedisServer
 
 from .conftest import AppFactory, wait_until
@@ -31,9 +31,7 @@ def test_rate_limited_calls_cost_one_round_trip(redis_server: RedisServer) -> No
     member over the rate 2 (refused, then its place reserved)."""
     client = counting_client(redis_server, 8)
     client.flushdb()
-    app = Celery("rt-rate", broker="memory://", backend="cache+memory://", set_as_current=False)
-    app.conf.update(dedup_metrics_flush_interval=3600)
-    runtime_for(app).use_store(RedisStore(client))
+    app = app_on_store("rt-rate", RedisStore(client))
     options: dict[str, Any] = {"base": DedupTask, "shared": False, "unique_for": 30}
 
     @app.task(**options)

@@ -12,6 +12,7 @@ from sqlalchemy import event
 
 from celery_dedup import DedupTask
 from celery_dedup.runtime import runtime_for
+from celery_dedup.stores.base import LockStore
 from celery_dedup.stores.redis import RedisStore
 from celery_dedup.stores.sql import SQLStore
 from tests.fixtures._store_case import StoreCase
@@ -33,6 +34,14 @@ def counting_client(server: RedisServer, db: int) -> redis.Redis:
         connection_class=CountingConnection, host="127.0.0.1", port=server.port, db=db
     )
     return redis.Redis(connection_pool=pool)
+
+
+def app_on_store(name: str, store: LockStore) -> Celery:
+    """An app on an in-memory broker whose lock store is ``store`` (metrics flushed by hand)."""
+    app = Celery(name, broker="memory://", backend="cache+memory://", set_as_current=False)
+    app.conf.update(dedup_metrics_flush_interval=3600)
+    runtime_for(app).use_store(store)
+    return app
 
 
 def measure(client: redis.Redis, action: Callable[[], Any]) -> int:
@@ -79,9 +88,7 @@ def test_apply_async_costs_one_round_trip(redis_server: RedisServer) -> None:
     """Through DedupTask: a publish costs 1 round trip, a duplicate 1, an eager run + release 2."""
     client = counting_client(redis_server, 6)
     client.flushdb()
-    app = Celery("rt", broker="memory://", backend="cache+memory://", set_as_current=False)
-    app.conf.update(dedup_metrics_flush_interval=3600)
-    runtime_for(app).use_store(RedisStore(client))
+    app = app_on_store("rt", RedisStore(client))
 
     @app.task(base=DedupTask, shared=False, unique_for=30)
     def job(x: int) -> int:
@@ -110,9 +117,7 @@ def test_replace_cancel_running_and_capped_debounce_round_trips(
     """
     client = counting_client(redis_server, 7)
     client.flushdb()
-    app = Celery("rt-cancel", broker="memory://", backend="cache+memory://", set_as_current=False)
-    app.conf.update(dedup_metrics_flush_interval=3600)
-    runtime_for(app).use_store(RedisStore(client))
+    app = app_on_store("rt-cancel", RedisStore(client))
 
     @app.task(base=DedupTask, shared=False, unique_for=30, on_duplicate="cancel_running")
     def cancel(x: int) -> int:
@@ -183,9 +188,7 @@ def test_cancel_running_round_trips_on_postgres(store_postgres: StoreCase) -> No
     owner's revoked marker are one statement."""
     store = store_postgres.store
     assert isinstance(store, SQLStore)
-    app = Celery("rt-pg", broker="memory://", backend="cache+memory://", set_as_current=False)
-    app.conf.update(dedup_metrics_flush_interval=3600)
-    runtime_for(app).use_store(store)
+    app = app_on_store("rt-pg", store)
 
     @app.task(base=DedupTask, shared=False, unique_for=30, on_duplicate="cancel_running")
     def cancel(x: int) -> int:
