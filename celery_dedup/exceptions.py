@@ -461,14 +461,15 @@ class FencingNotSupported(ImproperlyConfigured):
     """A task sets ``fence=True`` on a store that cannot issue fencing tokens.
 
     Raised instead of running unfenced: a fenced write would have nothing to
-    compare. Redis, Redis Cluster and the memory store issue them.
+    compare. Redis, Redis Cluster, PostgreSQL (the SQL store) and the memory
+    store issue them.
     """
 
     def __init__(self, task_name: str, store: str) -> None:
         message = (
             f"{task_name}: fence=True needs a lock store that issues fencing tokens in its "
-            f"start claim (redis, rediss, redis cluster, memory); the configured store "
-            f"{store!r} does not"
+            f"start claim (redis, rediss, redis cluster, db+postgresql, memory); the "
+            f"configured store {store!r} does not"
         )
         self._keep(message, task_name, store)
         self.task_name = task_name

@@ -57,7 +57,7 @@ from .policy import KEEPS_ON_FAILURE, UniqueUntil
 from .results import mark_result
 from .runs import DELIVERY_FIELD, INHERITED_FIELD
 from .runtime import Runtime, runtime_for
-from .stores.base import FencedClaims
+from .stores.base import issues_fences
 
 __all__ = ["DedupTask"]
 
@@ -183,7 +183,7 @@ class TaskConfig:
 def _fencing(task_name: str, runtime: Runtime, fence: bool) -> bool:
     """``fence``, once the store is known to issue fences (else ``FencingNotSupported``)."""
     store = runtime.store if fence else None
-    if store is not None and not isinstance(store, FencedClaims):
+    if store is not None and not issues_fences(store):
         raise FencingNotSupported(task_name, str(getattr(store, "name", type(store).__name__)))
     return fence
 

@@ -74,6 +74,7 @@ __all__ = [
     "SlotWaiter",
     "acquire_many",
     "gate_record_key",
+    "issues_fences",
     "os_error_kind",
     "rated_acquire",
     "refused_unless_passed",
@@ -460,6 +461,12 @@ class FencedClaims(Protocol):
 
     def fence_of(self, key: str) -> int | None:
         """The last fence issued for ``key``, or ``None`` (none, or its counter lapsed)."""
+
+
+def issues_fences(store: object) -> bool:
+    """Whether ``store`` issues fencing tokens: a ``FencedClaims`` store, unless its
+    ``fences`` says its backend does not (the SQL store: PostgreSQL only)."""
+    return isinstance(store, FencedClaims) and bool(getattr(store, "fences", True))
 
 
 @runtime_checkable

@@ -60,6 +60,7 @@ from sqlalchemy.exc import (
 
 from ..app_urls import result_backend
 from ..exceptions import (
+    FencingNotSupported,
     ImproperlyConfigured,
     StoreContention,
     StoreError,
@@ -87,6 +88,7 @@ from .sql_dialects import (
     E_CONTENTION,
     E_KEY_TOO_LONG,
     E_NO_DIALECT,
+    FENCE_TABLE,
     GATE_WAIT_TABLE,
     KEY_LENGTH,
     LOCK_TABLE,
@@ -98,11 +100,13 @@ from .sql_dialects import (
     _like_prefix,
     _missing_driver,
     _pick_dialect,
+    _Postgres,
     _Result,
     _Runner,
     _set_session,
     _Statement,
     counter_table,
+    fence_table,
     is_contention,
     lock_table,
     metadata,
@@ -131,10 +135,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "COUNTER_TABLE",
+    "FENCE_TABLE",
     "LOCK_TABLE",
     "REVOKED_TABLE",
     "SQLStore",
     "counter_table",
+    "fence_table",
     "lock_table",
     "metadata",
     "revoked_table",
@@ -311,6 +317,8 @@ class SQLStore(SQLLimits):
             ) from exc
         #: PostgreSQL keeps run gates in its run-record statements (``RunRecords``)
         self.run_gates = backend.name == "postgresql"
+        #: PostgreSQL issues fencing tokens in its claim statements (``FencedClaims``)
+        self.fences = backend.name == "postgresql"
         if backend.driver in ("psycopg", "psycopg2") and "connect_timeout" not in parsed.query:
             options["connect_args"] = {
                 "connect_timeout": CONNECT_TIMEOUT, **(options.get("connect_args") or {})
@@ -574,9 +582,18 @@ class SQLStore(SQLLimits):
         return cls._lock(key, row)
 
     def claim(
-        self, key: str, owner: str, *, release: bool, ttl: float | None, meta: LockMeta
+        self,
+        key: str,
+        owner: str,
+        *,
+        release: bool,
+        ttl: float | None,
+        meta: LockMeta,
+        fence: bool = False,
     ) -> Claim:
-        """The worker's start check (see ``LockStore.claim``).
+        """The worker's start check (see ``LockStore.claim``); with ``fence``, an
+        ``OWNED`` or ``FREE`` answer carries the key's next fence (``FencedClaims``:
+        PostgreSQL, in the same statement).
 
         One statement on PostgreSQL. On MySQL/MariaDB and SQLite one
         ``UPDATE`` (or ``DELETE`` with ``release``) when ``owner`` holds the
@@ -586,8 +603,24 @@ class SQLStore(SQLLimits):
         params["b_marker"] = revoked_marker_key(key, owner)
         params["b_release"] = release
         params["b_take"] = ttl is not None and not release
+        if fence:
+            outcome, row, issued = self._run(
+                lambda d, run: self._fencing(d).claim_fenced(run, params), key
+            )
+            return Claim(outcome, None if row is None else self._lock(key, row), fence=issued)
         outcome, row = self._run(lambda d, run: d.claim(run, params), key)
         return Claim(outcome, None if row is None else self._lock(key, row))
+
+    def _fencing(self, dialect: _Dialect) -> _Postgres:
+        """The dialect that issues fences (PostgreSQL); elsewhere ``FencingNotSupported``."""
+        if not isinstance(dialect, _Postgres):
+            raise FencingNotSupported("a fenced claim", f"{self.name} ({dialect.dialect.name})")
+        return dialect
+
+    def fence_of(self, key: str) -> int | None:
+        """The last fence issued for ``key`` (one SELECT; ``FencedClaims``)."""
+        row = self._run(lambda d, run: run(d.fence_of, {"b_key": key}).first(), key)
+        return None if row is None else int(row.fence)
 
     def revoke(self, key: str, owner: str, ttl: float) -> RevokeOutcome:
         """Write the revoked marker of ``owner``; release its lock unless it started.
@@ -670,11 +703,18 @@ class SQLStore(SQLLimits):
         params["b_take"] = ttl is not None and not release
         params.update(self._run_params(run, lease, RUNNING_POLICY))
         params.update(self._gate_params(run))
-        outcome, answer = self._run(lambda d, r: d.claim_run(r, params), run.key)
+        issued: int | None = None
+        if run.fenced:
+            outcome, answer, issued = self._run(
+                lambda d, r: self._fencing(d).claim_run_fenced(r, params), run.key
+            )
+        else:
+            outcome, answer = self._run(lambda d, r: d.claim_run(r, params), run.key)
         if answer is None:
             return outcome, None
         claimed, row = answer
-        return outcome, Claim(claimed, None if row is None else self._lock(run.key, row))
+        lock = None if row is None else self._lock(run.key, row)
+        return outcome, Claim(claimed, lock, fence=issued)
 
     def end_run(
         self, run: RunRef, done_ttl: float, meta: LockMeta, *, release: bool | None
@@ -835,6 +875,7 @@ class SQLStore(SQLLimits):
         def purge(dialect: _Dialect, run: _Runner) -> int:
             run(dialect.reap_revoked, {})
             run(dialect.reap_gate_waits, {})
+            run(dialect.reap_fences, {})
             return run(dialect.reap, {}).rowcount
 
         return self._run(purge)

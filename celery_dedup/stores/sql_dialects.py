@@ -73,6 +73,7 @@ from ..exceptions import ImproperlyConfigured, StoreContention
 from . import E_MISSING_DRIVER
 from .base import (
     DONE_POLICY,
+    FENCE_TTL,
     REVOKED_PREFIX,
     RUNNING_POLICY,
     ClaimOutcome,
@@ -82,10 +83,12 @@ from .base import (
 
 __all__ = [
     "COUNTER_TABLE",
+    "FENCE_TABLE",
     "GATE_WAIT_TABLE",
     "LOCK_TABLE",
     "REVOKED_TABLE",
     "counter_table",
+    "fence_table",
     "gate_wait_table",
     "lock_table",
     "metadata",
@@ -101,6 +104,7 @@ LOCK_TABLE = "celery_dedup_sql_lock"
 REVOKED_TABLE = "celery_dedup_sql_revoked"
 COUNTER_TABLE = "celery_dedup_sql_counter"
 GATE_WAIT_TABLE = "celery_dedup_sql_gate_wait"
+FENCE_TABLE = "celery_dedup_sql_fence"
 #: The longest key the lock table holds (a MySQL utf8mb4 primary key limit).
 KEY_LENGTH = 255
 
@@ -227,10 +231,24 @@ gate_wait_table = Table(
     mysql_charset="utf8mb4",
 )
 
+#: One row per key a fenced claim admitted a run of (``FencedClaims``, PostgreSQL):
+#: the last fencing token issued for it, kept ``FENCE_TTL`` after that claim.
+fence_table = Table(
+    FENCE_TABLE,
+    metadata,
+    Column("key", _varchar(KEY_LENGTH), primary_key=True),
+    Column("fence", BigInteger(), nullable=False),
+    Column("expires_at", Double(), nullable=False),
+    Index(f"ix_{FENCE_TABLE}_expires_at", "expires_at"),
+    mysql_engine="InnoDB",
+    mysql_charset="utf8mb4",
+)
+
 _L = lock_table.c
 _R = revoked_table.c
 _G = gate_wait_table.c
 _C = counter_table.c
+_F = fence_table.c
 #: Columns every statement that reports a lock returns, then the database's now.
 _LOCK_COLUMNS = (
     _L.owner,
@@ -404,6 +422,10 @@ class _Dialect:
         self.reap_revoked = self.render(delete(revoked_table).where(_R.expires_at <= self.now))
         self.reap_gate_waits = self.render(
             delete(gate_wait_table).where(_G.expires_at <= self.now)
+        )
+        self.reap_fences = self.render(delete(fence_table).where(_F.expires_at <= self.now))
+        self.fence_of = self.render(
+            select(_F.fence).where(_F.key == bindparam("b_key"), _F.expires_at > self.now)
         )
         self.read_counts = self.render(
             select(_C.task_name, _C.event, _C.count.label("total")).where(
@@ -619,8 +641,12 @@ class _Postgres(_Dialect):
         self.take_over_queued_revoking_stmt = self.render(queued.add_cte(self._revoked(taken)))
 
         self.claim_stmt = self.render(self._claim_statement(values, new))
+        self.claim_fenced_stmt = self.render(self._claim_statement(values, new, fence=True))
         self.revoke_stmt = self.render(self._revoke_statement())
         self.claim_run_stmt = self.render(self._claim_run_statement(values, new))
+        self.claim_run_fenced_stmt = self.render(
+            self._claim_run_statement(values, new, fence=True)
+        )
         self.end_run_stmt = self.render(self._end_run_statement())
         # renew_runs: two arrays, so the statement is rendered once and
         # planned as a join, whatever the number of runs.
@@ -796,7 +822,9 @@ class _Postgres(_Dialect):
             where=where,
         )
 
-    def _claim_run_statement(self, values: dict[str, Any], new: dict[str, Any]) -> Select[Any]:
+    def _claim_run_statement(
+        self, values: dict[str, Any], new: dict[str, Any], *, fence: bool = False
+    ) -> Select[Any]:
         # The record's holder in the snapshot, for RUNNING or DONE.
         record = (
             select(_L.owner, _L.policy, _L.expires_at)
@@ -832,7 +860,7 @@ class _Postgres(_Dialect):
             .cte("lease")
         )
         begun = exists(select(lease.c.key))
-        return self._claim_statement(values, new, begun).add_columns(
+        return self._claim_statement(values, new, begun, fence=fence).add_columns(
             begun.label("begun"),
             gate_taken.label("gate_taken"),
             select(record.c.owner).scalar_subquery().label("run_owner"),
@@ -889,6 +917,8 @@ class _Postgres(_Dialect):
         values: dict[str, Any],
         new: dict[str, Any],
         gate: ColumnElement[bool] | None = None,
+        *,
+        fence: bool = False,
     ) -> Select[Any]:
         # Every CTE reads one snapshot; the DELETE, UPDATE and INSERT see the
         # latest row (re-checked after waiting for a concurrent writer).
@@ -927,12 +957,56 @@ class _Postgres(_Dialect):
             .returning(_L.key)
             .cte("taken")
         )
-        return select(
+        owned = or_(exists(select(gone.c.key)), exists(select(marked.c.key)))
+        answer = select(
             revoked.label("revoked"),
-            or_(exists(select(gone.c.key)), exists(select(marked.c.key))).label("owned"),
+            owned.label("owned"),
             exists(select(taken.c.key)).label("taken"),
             *(select(column).scalar_subquery().label(column.name) for column in current.c),
             self.now.label("now"),
+        )
+        if not fence:
+            return answer
+        # Exactly the answers _claim_answer reads as OWNED or FREE (the body
+        # runs): owned, taken, or no holder and nothing to take.
+        runs = and_(
+            *gated,
+            ~revoked,
+            or_(
+                owned,
+                exists(select(taken.c.key)),
+                and_(~_flag("b_take"), ~exists(select(current.c.owner))),
+            ),
+        )
+        fenced = self._fence(runs)
+        return answer.add_columns(select(fenced.c.fence).scalar_subquery().label("fence"))
+
+    def _fence(self, runs: ColumnElement[bool]) -> CTE:
+        """The upsert of ``b_key``'s fence counter when ``runs`` holds: the next fence,
+        ``max(last + 1, now in microseconds)``, kept ``FENCE_TTL`` seconds.
+
+        ``ON CONFLICT DO UPDATE`` locks the counter's row: concurrent claims
+        of one key take their fences one after the other, each from the
+        other's. A lapsed counter still counts (never below its last fence).
+        """
+        micros = cast(
+            func.floor(literal_column("EXTRACT(EPOCH FROM statement_timestamp())") * 1_000_000),
+            BigInteger(),
+        )
+        ins = postgresql.insert(fence_table).from_select(
+            ["key", "fence", "expires_at"],
+            select(bindparam("b_key", type_=String()), micros, self.now + FENCE_TTL).where(runs),
+        )
+        return (
+            ins.on_conflict_do_update(
+                index_elements=[_F.key],
+                set_={
+                    "fence": func.greatest(_F.fence + 1, ins.excluded.fence),
+                    "expires_at": ins.excluded.expires_at,
+                },
+            )
+            .returning(_F.fence)
+            .cte("fenced")
         )
 
     def _revoke_statement(self) -> Select[Any]:
@@ -1007,10 +1081,20 @@ class _Postgres(_Dialect):
         raise _contention(params["b_key"])
 
     def claim(self, run: _Runner, params: dict[str, Any]) -> tuple[ClaimOutcome, Any]:
+        outcome, holder, _ = self.claim_fenced(run, params, fence=False)
+        return outcome, holder
+
+    def claim_fenced(
+        self, run: _Runner, params: dict[str, Any], *, fence: bool = True
+    ) -> tuple[ClaimOutcome, Any, int | None]:
+        """``claim``, with the fence its statement issued (``FencedClaims``; ``None``
+        unless the answer is ``OWNED`` or ``FREE``)."""
+        statement = self.claim_fenced_stmt if fence else self.claim_stmt
         for _ in range(_RACE_RETRIES):
-            answer = _claim_answer(run(self.claim_stmt, params).one(), params)
+            row = run(statement, params).one()
+            answer = _claim_answer(row, params)
             if answer is not None:
-                return answer
+                return (*answer, _fence_of(row, fence))
             # Our row changed, or another writer inserted the key, after the
             # snapshot: run again.
         raise _contention(params["b_key"])
@@ -1018,12 +1102,20 @@ class _Postgres(_Dialect):
     def claim_run(
         self, run: _Runner, params: dict[str, Any]
     ) -> tuple[RunOutcome, tuple[ClaimOutcome, Any] | None]:
+        outcome, answer, _ = self.claim_run_fenced(run, params, fence=False)
+        return outcome, answer
+
+    def claim_run_fenced(
+        self, run: _Runner, params: dict[str, Any], *, fence: bool = True
+    ) -> tuple[RunOutcome, tuple[ClaimOutcome, Any] | None, int | None]:
+        """``claim_run``, with the fence its statement issued (see ``claim_fenced``)."""
+        statement = self.claim_run_fenced_stmt if fence else self.claim_run_stmt
         for _ in range(_RACE_RETRIES):
-            row = run(self.claim_run_stmt, params).one()
+            row = run(statement, params).one()
             if row.begun:
                 answer = _claim_answer(row, params)
                 if answer is not None:
-                    return RunOutcome.BEGUN, answer
+                    return RunOutcome.BEGUN, answer, _fence_of(row, fence)
                 # As for claim; the lease is ours now, so running the
                 # statement again takes it again (its own).
                 continue
@@ -1040,9 +1132,9 @@ class _Postgres(_Dialect):
                 and row.run_expires_at > row.now
             ):
                 done = row.run_policy == DONE_POLICY
-                return (RunOutcome.DONE if done else RunOutcome.RUNNING), None
+                return (RunOutcome.DONE if done else RunOutcome.RUNNING), None, None
             if params["b_gated"] and not row.gate_taken:
-                return RunOutcome.WAITING, None  # another run of the key holds the gate
+                return RunOutcome.WAITING, None, None  # another run of the key holds the gate
             # The record was written after the snapshot: run again.
         raise _contention(params["b_key"])
 
@@ -1446,6 +1538,11 @@ def _claim_answer(row: Any, params: Mapping[str, Any]) -> tuple[ClaimOutcome, An
     if row.owner is None and (row.taken or not params["b_take"]):
         return ClaimOutcome.FREE, None
     return None
+
+
+def _fence_of(row: Any, fenced: bool) -> int | None:
+    """The fence a claim statement's row carries (``None``: none issued)."""
+    return int(row.fence) if fenced and row.fence is not None else None
 
 
 def _like_prefix(prefix: str) -> str:

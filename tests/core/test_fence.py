@@ -1,4 +1,5 @@
-"""A stale run's fenced write is refused, the newer run's lands (real worker, Redis store).
+"""A stale run's fenced write is refused, the newer run's lands (real worker; the fences
+come from the Redis store, or from PostgreSQL's claim statements: ``store_conf``).
 
 Two runs of one key are made to overlap: the first run's body waits while
 its lock lapses (``unique_for`` shorter than the body), a second call of
@@ -91,10 +92,13 @@ def _overlap(
 
 
 def test_a_stale_runs_redis_write_is_refused(
-    app_factory: AppFactory, worker_for: Callable[..., Any], effects: Any
+    app_factory: AppFactory,
+    worker_for: Callable[..., Any],
+    effects: Any,
+    store_conf: dict[str, Any],
 ) -> None:
     """The newer run's hash stays; the older run's later write is refused (fenced_hset)."""
-    app = app_factory("fence-redis")
+    app = app_factory("fence-redis", **store_conf)
 
     def write(who: str, fence: int) -> bool:
         return fenced_hset(effects, "doc:1", fence, {"body": who})
@@ -110,10 +114,11 @@ def test_a_stale_runs_sql_write_is_refused(
     app_factory: AppFactory,
     worker_for: Callable[..., Any],
     orders: tuple[sa.Engine, sa.Table],
+    store_conf: dict[str, Any],
 ) -> None:
     """The newer run's row stays; the older run's later UPDATE matches no row (fenced_update)."""
     engine, table = orders
-    app = app_factory("fence-sql")
+    app = app_factory("fence-sql", **store_conf)
 
     def write(who: str, fence: int) -> bool:
         with engine.begin() as conn:
@@ -128,10 +133,10 @@ def test_a_stale_runs_sql_write_is_refused(
 
 
 def test_a_run_without_fence_or_outside_a_task_has_none(
-    app_factory: AppFactory, worker_for: Callable[..., Any]
+    app_factory: AppFactory, worker_for: Callable[..., Any], store_conf: dict[str, Any]
 ) -> None:
     """NoFenceError outside a task, in a task without fence=True, and for a call with no lock."""
-    app = app_factory("fence-none")
+    app = app_factory("fence-none", **store_conf)
     with pytest.raises(NoFenceError):
         current_fence()
 
@@ -154,3 +159,26 @@ def test_a_run_without_fence_or_outside_a_task_has_none(
     assert int(fenced.delay().get(timeout=10)) > 0
     no_lock = fenced.apply_async(unique_for=None).get(timeout=10)
     assert no_lock.startswith("error:") and "took no lock" in no_lock
+
+
+def test_keep_last_runs_get_growing_fences(
+    app_factory: AppFactory,
+    worker_for: Callable[..., Any],
+    runs: Any,
+    store_conf: dict[str, Any],
+) -> None:
+    """keep_last (its start claim is claim_run, gated): each run of the key gets a fence
+    from that claim, the later run a greater one; each body ran once."""
+    app = app_factory("fence-keep-last", **store_conf)
+
+    @app.task(base=DedupTask, unique_for=30, on_duplicate="keep_last", fence=True,
+              unique_on=("order",), shared=False)
+    def settle(order: int, n: int) -> int:
+        runs.rpush("fence-settled", n)
+        return current_fence()
+
+    worker_for(app)
+    first = settle.delay(1, 1).get(timeout=20)
+    second = settle.delay(1, 2).get(timeout=20)
+    assert 0 < first < second
+    assert runs.lrange("fence-settled", 0, -1) == [b"1", b"2"]

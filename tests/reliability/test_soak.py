@@ -44,7 +44,7 @@ ALL_STORES = [
 ]
 #: the stores that issue fencing tokens: there ``rel.work`` sets ``fence=True``
 #: and the checker judges every run's token (``check_fences``)
-FENCING_STORES = frozenset({"redis", "store_redis_cluster"})
+FENCING_STORES = frozenset({"redis", "store_redis_cluster", "store_postgres"})
 #: the stores that keep per-key limits: there ``rel.work`` has a callable
 #: ``concurrency_limit`` (each call's plan draws it) and the checker judges
 #: every run against the limit its call drew (``check_slots``)

@@ -1,34 +1,58 @@
 """Fencing tokens in the start claim: per key, only growing, in the claim's round trip.
 
-Redis, Redis Cluster (the same scripts, routed by slot) and the memory store
-issue them (``FencedClaims``); the SQL, Django and memcached stores do not,
-and a task asking for them is refused when its options are resolved.
+Redis, Redis Cluster (the same scripts, routed by slot), PostgreSQL (one more
+data-modifying CTE in the claim statements) and the memory store issue them
+(``FencedClaims``); the SQL store on MySQL/MariaDB and SQLite, the Django and
+memcached stores do not, and a task asking for them is refused when its
+options are resolved.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import multiprocessing
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 from celery import Celery
+from sqlalchemy import event, text
 
 from celery_dedup import DedupTask, FencingNotSupported
 from celery_dedup.runs import records_of
 from celery_dedup.stores import store_from_url
-from celery_dedup.stores.base import ClaimOutcome, FencedClaims, LockStore, RunOutcome, RunRef
+from celery_dedup.stores.base import (
+    FENCE_TTL,
+    ClaimOutcome,
+    FencedClaims,
+    LockStore,
+    RunOutcome,
+    RunRef,
+    issues_fences,
+)
 from celery_dedup.stores.memory import MemoryStore
 from celery_dedup.stores.redis import RedisStore
+from celery_dedup.stores.sql import SQLStore
 from tests.core.test_round_trips import counting_client, measure
+from tests.fixtures._store_case import StoreCase
 from tests.fixtures.redis import RedisServer
 from tests.fixtures.redis_cluster import RedisClusterServer
 
 META = {"task_name": "t", "policy": "success", "task_id": "id"}
 
 
-@pytest.fixture(params=["memory", "redis", "redis_cluster"])
+@pytest.fixture(
+    params=[
+        "memory", "redis", "redis_cluster",
+        pytest.param("postgres", marks=pytest.mark.postgres),
+    ]
+)  # fmt: skip
 def store(request: pytest.FixtureRequest) -> Iterator[LockStore]:
     if request.param == "memory":
         yield MemoryStore()
+    elif request.param == "postgres":
+        case: StoreCase = request.getfixturevalue("store_postgres")
+        yield case.store
     elif request.param == "redis":
         server: RedisServer = request.getfixturevalue("redis_server")
         server.flush(9)
@@ -135,3 +159,146 @@ def test_a_store_without_fences_is_refused_when_the_task_is_configured(tmp_path:
         fenced.delay()
     assert "fenced" in str(caught.value) and "fence=True" in str(caught.value)
     assert caught.value.store == "sql"
+
+
+@pytest.mark.postgres
+def test_a_fenced_claim_is_one_statement_on_postgres(store_postgres: StoreCase) -> None:
+    """The fence's upsert is one more CTE of the claim statements: claim, claim_run and a
+    gated claim_run stay one statement each (autocommit: one round trip), and the
+    counter row lives FENCE_TTL."""
+    store = store_postgres.store
+    assert isinstance(store, SQLStore) and issues_fences(store)
+    store.claim("warm", "o", release=False, ttl=5, meta=META, fence=True)
+    sent: list[str] = []
+
+    def count(action: Callable[[], Any]) -> int:
+        sent.clear()
+        action()
+        return len(sent)
+
+    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        sent.append(statement)
+
+    event.listen(store.engine, "before_cursor_execute", record)
+    try:
+        assert count(lambda: store.claim("k", "a", release=False, ttl=5, meta=META,
+                                         fence=True)) == 1, sent
+        assert count(lambda: store.claim("k", "a", release=True, ttl=None, meta=META,
+                                         fence=True)) == 1, sent
+        run = RunRef("k2", "a", "0.0", "t", fenced=True)
+        assert count(lambda: store.claim_run(run, 5, META, release=False, ttl=5)) == 1, sent
+        gated = RunRef("k3", "a", "0.0", "t", gated=True, fenced=True)
+        assert count(lambda: store.claim_run(gated, 5, META, release=False, ttl=5)) == 1, sent
+        assert "celery_dedup_sql_fence" in sent[0]
+    finally:
+        event.remove(store.engine, "before_cursor_execute", record)
+    with store.engine.connect() as conn:
+        life = conn.execute(text(
+            "SELECT expires_at - EXTRACT(EPOCH FROM now()) FROM celery_dedup_sql_fence"
+            " WHERE key = 'k'"
+        )).scalar_one()  # fmt: skip
+    assert FENCE_TTL - 60 < life <= FENCE_TTL
+
+
+@pytest.mark.postgres
+def test_concurrent_claims_of_one_key_get_distinct_growing_fences(
+    store_postgres: StoreCase,
+) -> None:
+    """8 threads, 25 admitted claims of one key at once (FREE: nobody holds it): 200
+    distinct fences, growing in each thread, the last one what fence_of reads."""
+    store = store_postgres.store
+    assert isinstance(store, SQLStore)
+    barrier = threading.Barrier(8)
+    fences: list[list[int]] = [[] for _ in range(8)]
+
+    def claims(mine: list[int]) -> None:
+        barrier.wait()
+        for _ in range(25):
+            claim = store.claim("hot", "o", release=True, ttl=None, meta=META, fence=True)
+            assert claim.outcome is ClaimOutcome.FREE and claim.fence is not None
+            mine.append(claim.fence)
+
+    threads = [threading.Thread(target=claims, args=(mine,)) for mine in fences]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    every = [fence for mine in fences for fence in mine]
+    assert len(every) == 200 and len(set(every)) == 200
+    assert all(mine == sorted(mine) for mine in fences)
+    assert store.fence_of("hot") == max(every)
+
+
+@pytest.mark.postgres
+def test_processes_taking_one_key_in_turn_get_growing_fences(store_postgres: StoreCase) -> None:
+    """4 processes take, start and release one key 30 times each (claims OWNED or FREE
+    taking it, HELD while another holds it): every admitted claim's fence is distinct."""
+    context = multiprocessing.get_context("fork")
+    barrier = context.Barrier(4)
+    results = context.Queue()
+    procs = [
+        context.Process(target=_take_in_turn, args=(store_postgres.url, f"o{i}", barrier, results))
+        for i in range(4)
+    ]
+    for proc in procs:
+        proc.start()
+    got = [results.get(timeout=120) for _ in procs]
+    for proc in procs:
+        proc.join(timeout=30)
+    every = [fence for fences in got for fence in fences]
+    assert len(every) >= 4 and len(set(every)) == len(every)
+    assert all(fences == sorted(fences) for fences in got)
+    store = store_postgres.store
+    assert store.fence_of("turn") == max(every)  # type: ignore[attr-defined]
+
+
+def _take_in_turn(url: str, owner: str, barrier: Any, results: Any) -> None:
+    store = store_from_url(url)
+    assert isinstance(store, SQLStore)
+    fences: list[int] = []
+    barrier.wait()
+    for _ in range(30):
+        claim = store.claim("turn", owner, release=False, ttl=5, meta=META, fence=True)
+        if claim.outcome in (ClaimOutcome.OWNED, ClaimOutcome.FREE):
+            assert claim.fence is not None
+            fences.append(claim.fence)
+            store.release("turn", owner)
+    store.close()
+    results.put(fences)
+
+
+@pytest.mark.postgres
+def test_a_lapsed_counter_is_reaped_and_the_next_fence_is_still_greater(
+    store_postgres: StoreCase,
+) -> None:
+    """A counter past FENCE_TTL reads as none (fence_of), is deleted by purge_expired with
+    the expired locks, and the key's next fence is above every fence it issued."""
+    store = store_postgres.store
+    assert isinstance(store, SQLStore)
+    first = _fence(store, "k", "a")
+    assert first is not None
+    store.release("k", "a")
+    with store.engine.connect() as conn:
+        conn.execute(text(
+            "UPDATE celery_dedup_sql_fence SET expires_at = expires_at - :life"
+        ), {"life": FENCE_TTL + 1})  # fmt: skip
+    assert store.fence_of("k") is None
+    store.purge_expired()
+    with store.engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM celery_dedup_sql_fence")).scalar() == 0
+    later = _fence(store, "k", "b")
+    assert later is not None and later > first and store.fence_of("k") == later
+
+
+def test_sql_fences_are_postgresql_only(sqlite_url: str) -> None:
+    """The SQL store on SQLite (as on MySQL/MariaDB) does not issue fences: its capability
+    says so, and a fenced claim sent anyway is refused before anything is written."""
+    store = store_from_url(sqlite_url)
+    assert isinstance(store, SQLStore) and not issues_fences(store)
+    with pytest.raises(FencingNotSupported):
+        store.claim("k", "a", release=False, ttl=5, meta=META, fence=True)
+    with pytest.raises(FencingNotSupported):
+        store.claim_run(RunRef("k", "a", "0.0", "t", fenced=True), 5, META,
+                        release=False, ttl=5)
+    assert store.get("k") is None
+    store.close()
