@@ -1,7 +1,8 @@
 """SQL lock store (SQLAlchemy Core): PostgreSQL, MySQL/MariaDB and SQLite.
 
 A lock is a row of ``celery_dedup_sql_lock`` keyed on the lock key; a
-revoked owner token is a row of ``celery_dedup_sql_revoked``. Times are
+revoked owner token is a row of ``celery_dedup_sql_revoked``; a key's
+fencing-token counter (PostgreSQL) a row of ``celery_dedup_sql_fence``. Times are
 epoch seconds read from the database's clock inside each statement, so
 producers and workers with skewed clocks agree on expiry. Every operation
 runs on an autocommit connection, so a single-statement operation is one
@@ -694,6 +695,9 @@ class SQLStore(SQLLimits):
     ) -> tuple[RunOutcome, Claim | None]:
         """The lease, then the start claim (see ``RunRecords.claim_run``).
 
+        A fenced run (``RunRef.fenced``, PostgreSQL) gets the key's next fence in
+        the same statement (``FencedClaims``).
+
         One statement on PostgreSQL. Elsewhere the lease's upsert (MySQL:
         plus a read), then ``claim`` (one statement when the holder starts).
         """
@@ -870,7 +874,8 @@ class SQLStore(SQLLimits):
     # -- housekeeping ------------------------------------------------------
 
     def purge_expired(self) -> int:
-        """Delete every expired lock and revoked marker now; returns how many locks."""
+        """Delete every expired lock, revoked marker, gate waiter and fence counter now;
+        returns how many locks."""
 
         def purge(dialect: _Dialect, run: _Runner) -> int:
             run(dialect.reap_revoked, {})

@@ -531,7 +531,7 @@ def test_tables_created_on_first_use(empty_database: Callable[[], str]) -> None:
         assert tables == {
             "celery_dedup_sql_lock", "celery_dedup_sql_revoked", "celery_dedup_sql_counter",
             "celery_dedup_sql_slot", "celery_dedup_sql_rate", "celery_dedup_sql_slot_wait",
-            "celery_dedup_sql_gate_wait",
+            "celery_dedup_sql_gate_wait", "celery_dedup_sql_fence",
         }
         if store.engine.dialect.name == "postgresql":  # the handoff's function, with its table
             with store.engine.connect() as conn:
