@@ -319,6 +319,9 @@ def _remember_publish(headers: Mapping[str, Any] | None = None, **_: Any) -> Non
 def _remember_observed(task_id: str = "", **_: Any) -> None:
     """The id of the call ``dedup_mode="observe"`` published anyway (this thread)."""
     _published.observed = task_id
+    observed = getattr(_published, "observed_many", None)
+    if observed is not None:  # a bulk call: every item observe published anyway
+        observed.add(task_id)
 
 
 class Producer:
@@ -402,6 +405,7 @@ class Producer:
             for args, seq, options in calls
         ]
         _published.tokens = {}
+        _published.observed_many = set()
         t0 = time.time()
         for common, (_, _, options) in zip(commons, calls, strict=True):
             if options.get("expires") is not None:
@@ -414,10 +418,15 @@ class Producer:
             )
         finally:
             tokens, _published.tokens = _published.tokens, None
+            observed, _published.observed_many = _published.observed_many, None
         t1 = time.time()
         for common, outcome in zip(commons, outcomes, strict=True):
             status, error, result = outcome.status, outcome.error, outcome.result
-            if status is ItemStatus.PUBLISHED:
+            if status is ItemStatus.PUBLISHED and result.id in observed:
+                # Published anyway, without a lock: its message must run (``check_observed``).
+                self._record(Call(t0=t0, t1=t1, outcome="observed", task_id=result.id,
+                                  **common))  # fmt: skip
+            elif status is ItemStatus.PUBLISHED:
                 task_id, token = result.id, tokens.get(result.id, "")
                 self._record(Call(t0=t0, t1=t1, outcome="published", task_id=task_id,
                                   token=token, **common))  # fmt: skip
