@@ -457,6 +457,10 @@ class FencedClaims(Protocol):
     microseconds)``, written back with ``FENCE_TTL``. Every fence of a key
     is greater than every fence issued before it, whatever run, copy or
     publish it went to.
+
+    A store class that issues them on some backends only (the SQL store:
+    PostgreSQL) says so per instance with a ``fences`` attribute
+    (``issues_fences``).
     """
 
     def fence_of(self, key: str) -> int | None:
