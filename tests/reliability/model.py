@@ -1141,14 +1141,22 @@ def summary(findings: Sequence[Finding], limit: int = 20) -> str:
 
 
 def unfinished(trace: Trace) -> list[Holding]:
-    """Published messages with no final record yet (revoked ones may never get one)."""
-    revoked = {(r.key, r.task_id) for r in trace.revokes}
+    """Published messages with no final record yet (revoked ones may never get one).
+
+    A revoke excuses only the publishes it could have hit: made before it
+    ended. Calls of one key may share a task id (``replace``,
+    ``cancel_running``), so an older publish's revoke must not excuse a
+    later one, still retrying, from the wait.
+    """
+    revoked: dict[tuple[str, str], float] = {}
+    for r in trace.revokes:
+        revoked[(r.key, r.task_id)] = max(r.t1, revoked.get((r.key, r.task_id), -INF))
     return [
         h
         for h in holdings(trace)
         if h.call.outcome == "published"
         and not h.finished()
-        and (h.key, h.call.task_id) not in revoked
+        and revoked.get((h.key, h.call.task_id), -INF) < h.call.t0
     ]
 
 
