@@ -43,6 +43,7 @@ WITHOUT_SAMPLES = {
     "docs/benchmarks.md": "commands that run the benchmarks (minutes, on every server)",
     "docs/development.md": "the test command, release check and support matrix: run by CI itself",
     "docs/example.md": "runs the example project's demo, tested by tests/django/test_demo.py",
+    "docs/features.md": "a comparison table: each row links to the page whose samples show it",
     "docs/guarantees.md": "commands that run tests/reliability itself",
 }
 
