@@ -1,7 +1,7 @@
 """OpenTelemetry: celery-dedup's decisions on the Celery instrumentation's spans (issue 34, item 6).
 
-The SDK's in-memory exporter around ``CeleryInstrumentor`` and a real worker
-on Redis: a first call's publish span says ``published``, a duplicate's span
+The SDK's in-memory exporter around ``CeleryInstrumentor`` and a real worker,
+the store Redis or PostgreSQL: a first call's publish span says ``published``, a duplicate's span
 says ``duplicate`` with the holder's id, a run deferred by its concurrency
 limit says so on its worker span; bodies count their runs in Redis. And the
 package imports and publishes without OpenTelemetry installed.
@@ -48,9 +48,12 @@ def exporter() -> Iterator[InMemorySpanExporter]:
 
 
 @pytest.fixture
-def traced_app(app_factory: AppFactory, exporter: InMemorySpanExporter) -> Iterator[Celery]:
-    """An app the instrumentation finds its tasks in (it looks them up in the default app)."""
-    app = app_factory("otel")
+def traced_app(
+    app_factory: AppFactory, exporter: InMemorySpanExporter, store_conf: dict[str, Any]
+) -> Iterator[Celery]:
+    """An app the instrumentation finds its tasks in (it looks them up in the default app),
+    its locks, slots and windows on Redis or PostgreSQL."""
+    app = app_factory("otel", **store_conf)
     previous = celery_state.default_app, celery_state._tls.current_app
     app.set_default()
     app.set_current()
