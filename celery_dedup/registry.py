@@ -120,7 +120,7 @@ OPTIONS: Final[tuple[Option, ...]] = (
     Option("fence", False, True, "`True` / `False`",
            "each admitted run of a key gets a fencing token greater than every earlier "
            "run's (`current_fence()`), for writes a stale run cannot overwrite; Redis, "
-           "Redis Cluster and memory stores ([Protect the side effect](fencing.md))"),
+           "Redis Cluster, PostgreSQL and memory stores ([Protect the side effect](fencing.md))"),
     Option("unique_on", False, True, "a parameter name or a sequence of names",
            "restrict the strict identity to these parameters"),
     Option("dedup_silenced", False, True,

@@ -253,7 +253,7 @@ class DedupTask(_Task):
     #: Issue each admitted run of a key a fencing token, greater than every
     #: token of the key before it, in the start claim's round trip:
     #: ``celery_dedup.current_fence()`` in the body, ``celery_dedup.fence`` to make
-    #: a side effect conditional on it. Redis, Redis Cluster and memory stores.
+    #: a side effect conditional on it. Redis, Redis Cluster, PostgreSQL and memory stores.
     fence: bool | None = None
 
     #: ``"observe"``: keys, locks and checks as usual, but a call that would be
