@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 from celery import Celery
-from sqlalchemy import event
 
 from celery_dedup import (
     BulkResult,
@@ -22,6 +20,7 @@ from celery_dedup.runtime import runtime_for
 from celery_dedup.stores.redis import RedisStore
 from celery_dedup.stores.sql import SQLStore
 from tests.core.test_round_trips import app_on_store, counting_client, measure
+from tests.fixtures._statements import Statements
 from tests.fixtures._store_case import StoreCase
 from tests.fixtures.redis import RedisServer
 
@@ -161,26 +160,15 @@ def test_per_item_costs_one_statement_on_postgres(store_postgres: StoreCase) -> 
     enqueue_many([job.s(-1), job.s(-2)], per_item=True, app=app)  # tables checked, reaped
     for n in range(5):
         job.delay(n)
-    sent: list[str] = []
-
-    def count(action: Callable[[], Any]) -> int:
-        sent.clear()
-        action()
-        return len(sent)
-
-    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
-        sent.append(statement)
-
     signatures = [job.s(n % 90) for n in range(100)]
     outcomes: list[BulkResult] = []
-    event.listen(store.engine, "before_cursor_execute", record)
     try:
-        assert count(lambda: outcomes.append(
-            enqueue_many(signatures, per_item=True, app=app)
-        )) == 1, sent  # fmt: skip
-        assert count(lambda: enqueue_many(signatures, per_item=True, app=app)) == 1, sent
+        with Statements(store.engine) as sql:
+            assert sql.count(lambda: outcomes.append(
+                enqueue_many(signatures, per_item=True, app=app)
+            )) == 1, sql.sent  # fmt: skip
+            assert sql.count(lambda: enqueue_many(signatures, per_item=True, app=app)) == 1
     finally:
-        event.remove(store.engine, "before_cursor_execute", record)
         app.close()
     statuses = [o.status.value for o in outcomes[0]]
     assert statuses.count("published") == 85 and statuses.count("duplicate") == 15

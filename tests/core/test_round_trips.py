@@ -8,13 +8,13 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
-from sqlalchemy import event
 
 from celery_dedup import DedupTask
 from celery_dedup.runtime import runtime_for
 from celery_dedup.stores.base import LockStore
 from celery_dedup.stores.redis import RedisStore
 from celery_dedup.stores.sql import SQLStore
+from tests.fixtures._statements import Statements
 from tests.fixtures._store_case import StoreCase
 from tests.fixtures.redis import RedisServer
 
@@ -202,25 +202,10 @@ def test_cancel_running_round_trips_on_postgres(store_postgres: StoreCase) -> No
     def keep_last(x: int) -> int:
         return x
 
-    sent: list[str] = []
-
-    def count(action: Callable[[], Any]) -> int:
-        sent.clear()
-        action()
-        return len(sent)
-
-    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
-        sent.append(statement)
-
     cancel.delay(0)  # tables checked, the first expired rows reaped
-    event.listen(store.engine, "before_cursor_execute", record)
     try:
-        assert count(lambda: cancel.delay(1)) == 1, sent
-        assert count(lambda: cancel.delay(1)) == 1, sent
-        assert count(lambda: replace.delay(1)) == 1, sent
-        assert count(lambda: replace.delay(1)) == 1, sent
-        assert count(lambda: keep_last.delay(1)) == 1, sent
-        assert count(lambda: keep_last.delay(1)) == 1, sent
+        with Statements(store.engine) as sql:
+            for call in (cancel, cancel, replace, replace, keep_last, keep_last):
+                assert sql.count(lambda call=call: call.delay(1)) == 1, sql.sent
     finally:
-        event.remove(store.engine, "before_cursor_execute", record)
         app.close()

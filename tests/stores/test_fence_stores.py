@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from celery import Celery
-from sqlalchemy import event, text
+from sqlalchemy import text
 
 from celery_dedup import DedupTask, FencingNotSupported
 from celery_dedup.runs import records_of
@@ -34,6 +34,7 @@ from celery_dedup.stores.memory import MemoryStore
 from celery_dedup.stores.redis import RedisStore
 from celery_dedup.stores.sql import SQLStore
 from tests.core.test_round_trips import counting_client, measure
+from tests.fixtures._statements import Statements
 from tests.fixtures._store_case import StoreCase
 from tests.fixtures.redis import RedisServer
 from tests.fixtures.redis_cluster import RedisClusterServer
@@ -169,29 +170,16 @@ def test_a_fenced_claim_is_one_statement_on_postgres(store_postgres: StoreCase) 
     store = store_postgres.store
     assert isinstance(store, SQLStore) and issues_fences(store)
     store.claim("warm", "o", release=False, ttl=5, meta=META, fence=True)
-    sent: list[str] = []
-
-    def count(action: Callable[[], Any]) -> int:
-        sent.clear()
-        action()
-        return len(sent)
-
-    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
-        sent.append(statement)
-
-    event.listen(store.engine, "before_cursor_execute", record)
-    try:
-        assert count(lambda: store.claim("k", "a", release=False, ttl=5, meta=META,
-                                         fence=True)) == 1, sent
-        assert count(lambda: store.claim("k", "a", release=True, ttl=None, meta=META,
-                                         fence=True)) == 1, sent
+    with Statements(store.engine) as sql:
+        assert sql.count(lambda: store.claim("k", "a", release=False, ttl=5, meta=META,
+                                             fence=True)) == 1, sql.sent
+        assert sql.count(lambda: store.claim("k", "a", release=True, ttl=None, meta=META,
+                                             fence=True)) == 1, sql.sent
         run = RunRef("k2", "a", "0.0", "t", fenced=True)
-        assert count(lambda: store.claim_run(run, 5, META, release=False, ttl=5)) == 1, sent
+        assert sql.count(lambda: store.claim_run(run, 5, META, release=False, ttl=5)) == 1
         gated = RunRef("k3", "a", "0.0", "t", gated=True, fenced=True)
-        assert count(lambda: store.claim_run(gated, 5, META, release=False, ttl=5)) == 1, sent
-        assert "celery_dedup_sql_fence" in sent[0]
-    finally:
-        event.remove(store.engine, "before_cursor_execute", record)
+        assert sql.count(lambda: store.claim_run(gated, 5, META, release=False, ttl=5)) == 1
+        assert "celery_dedup_sql_fence" in sql.sent[0]
     with store.engine.connect() as conn:
         life = conn.execute(text(
             "SELECT expires_at - EXTRACT(EPOCH FROM now()) FROM celery_dedup_sql_fence"
