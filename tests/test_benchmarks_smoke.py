@@ -21,7 +21,12 @@ def test_benchmark_smoke_run(tmp_path: Path) -> None:
     results = json.loads(target.read_text())
     assert results["meta"]["smoke"] is True
     assert set(results["rows"]) == set(ROWS)
-    assert all(value > 0 for value in results["rows"].values())
+    # A flag (1 yes, 0 no), not a measure: the order a smoke run's few handoffs keep is
+    # timing (tests/core/test_slot_handoff.py proves the order); every other row is filled.
+    flags = {"k_handoff_in_call_order"}
+    rows = results["rows"]
+    assert {row: value for row, value in rows.items() if row not in flags and not value > 0} == {}
+    assert all(rows[row] in (0.0, 1.0) for row in flags)
     assert set(results["round_trips"]) == set(ROUND_TRIPS)
     trips = {name: results["round_trips"][name]["round_trips"] for name in ROUND_TRIPS}
     assert trips["acquire"] == 1
