@@ -29,16 +29,15 @@ from celery.worker.control import control_command
 from celery.worker.request import Request
 from kombu.serialization import registry  # type: ignore[attr-defined]
 
-from . import backoff, coalesce, events, handoff, incarnation, leases, lost_results, requeue, runs
+from . import backoff, coalesce, handoff, incarnation, leases, lost_results, observed, requeue, runs
 from .exceptions import MalformedHeader, StoreContention, StoreError, StoreUnavailable
 from .fence import FENCE_FIELD
 from .header import HEADER, MAX_TOKEN, LockHeader, new_token, read_header
 from .identity import bound_queue, deterministic_task_id
 from .lifecycle import DedupTaskLike, Held, Outcome, meta_for
-from .metrics import key_counter
 from .options import DedupMode, Fallback
 from .policy import KEEPS_ON_FAILURE, UniqueUntil, lock_ttl
-from .signals import lock_acquired, lock_released, task_observed, task_skipped
+from .signals import lock_acquired, lock_released, task_skipped
 from .stores.base import (
     OUTCOME_FIELD,
     Claim,
@@ -833,19 +832,11 @@ def _observed_run(
         "celery-dedup: %s[%s] runs although another publish holds its key (lock %s: %s; "
         "dedup_mode='observe')", task.name, task_id, short(key), reason,
     )  # fmt: skip
-    runtime = task.dedup_config().runtime
-    runtime.metrics.incr(task.name, "would_deduplicate")
-    runtime.metrics.incr(key_counter(task.name, key), "would_deduplicate")
-    task_observed.send(
-        sender=task, key=key, task_id=task_id, existing_task_id=holder_id,
-        would="deduplicate", policy=reason, args=task.request.args, kwargs=task.request.kwargs,
+    observed.report(
+        task, task.dedup_config().runtime, key=key, counted_key=key, task_id=task_id,
+        holder_id=holder_id, would="deduplicate", policy=reason, args=task.request.args,
+        kwargs=task.request.kwargs,
     )  # fmt: skip
-    if runtime.settings.send_events:
-        events.send_observed(
-            task.app, task_name=task.name, task_id=task_id, holder_id=holder_id,
-            would="deduplicate", policy=reason, args=task.request.args,
-            kwargs=task.request.kwargs,
-        )  # fmt: skip
 
 
 def header_of(request: Any) -> LockHeader | None:

@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import logging
 
-from .. import events
-from ..metrics import key_counter
+from .. import observed
 from ..options import DedupMode, OnDuplicate
-from ..signals import task_observed
 from .canvas import takes_over
 from .state import Admission, Refusal
 
@@ -61,34 +59,20 @@ def record(adm: Admission, refusal: Refusal) -> None:
     else:
         policy = adm.call.on_duplicate.value
     adm.notes["observed"] = outcome
-    event = f"would_{outcome}"
-    runtime.metrics.incr(task.name, event)
-    key = adm.key if adm.key is not None else adm.notes.get("rate_key")
-    if key is not None:
-        runtime.metrics.incr(key_counter(task.name, key), event)
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug(
             "celery-dedup: %s[%s] observed: would %s (%s); published anyway",
             task.name, adm.task_id, outcome, policy,
         )  # fmt: skip
-    task_observed.send(
-        sender=task,
+    observed.report(
+        task,
+        runtime,
         key=adm.key,
+        counted_key=adm.key if adm.key is not None else adm.notes.get("rate_key"),
         task_id=adm.task_id,
-        existing_task_id=holder_id,
+        holder_id=holder_id,
         would=outcome,
         policy=policy,
         args=adm.args,
         kwargs=adm.kwargs,
     )
-    if runtime.settings.send_events:
-        events.send_observed(
-            task.app,
-            task_name=task.name,
-            task_id=adm.task_id,
-            holder_id=holder_id,
-            would=outcome,
-            policy=policy,
-            args=adm.args,
-            kwargs=adm.kwargs,
-        )
