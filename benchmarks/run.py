@@ -4,13 +4,18 @@ Run from the repository root::
 
     python benchmarks/run.py            # full run (a few minutes: loads 1 000 000 locks)
     python benchmarks/run.py --smoke    # seconds: small N, 10 000 locks instead of 1 000 000
+    python benchmarks/run.py --runs 5 --publish   # what docs/benchmarks.md shows
 
 It installs the ``bench`` extra's peers (celery-once, celery-singleton) when
 they are missing, starts its own redis-servers (broker, lock store) and a
 postgres on free loopback ports, measures everything as ratios in one run,
 prints a table and writes JSON (default ``benchmarks/results/latest.json``);
 when that file exists, the run is first compared with it, row by row, and
-it is kept as ``previous.json``.
+it is kept as ``previous.json``. ``--runs N`` makes N whole runs, each on
+fresh servers, and reports every row and target as the median of the runs
+with their spread (lowest and highest); ``--publish`` writes that JSON
+beside the docs page (``docs/benchmarks.json``, compared with the one it
+replaces) and the table into ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
@@ -43,6 +48,12 @@ import redis  # noqa: E402
 from benchmarks.servers import postgres_server, redis_server, stop  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "latest.json"
+#: the published results, beside the page that shows them
+PUBLISHED = ROOT / "docs" / "benchmarks.json"
+PAGE = ROOT / "docs" / "benchmarks.md"
+#: the published table sits between these lines of ``PAGE``
+TABLE_START = "<!-- benchmark table: written by benchmarks/run.py --publish -->"
+TABLE_END = "<!-- end of the benchmark table -->"
 
 #: every row a run produces, in table order
 ROWS = (
@@ -664,6 +675,35 @@ def run(*, smoke: bool = False, iterations: int | None = None, rounds: int | Non
     }
 
 
+def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several runs' results as one: each row and target the median of the runs, with its
+    spread (the lowest and the highest run) and every run's figure."""
+    if len(runs) == 1:
+        return runs[0]
+    rows = {key: statistics.median(run["rows"][key] for run in runs) for key in ROWS}
+    spread = {key: [min(run["rows"][key] for run in runs), max(run["rows"][key] for run in runs)]
+              for key in ROWS}
+    combined_targets = []
+    for i, first in enumerate(runs[0]["targets"]):
+        values = [run["targets"][i]["value"] for run in runs]
+        value = statistics.median(values)
+        op, bound = first["bound"].split()
+        combined_targets.append({
+            "target": first["target"], "value": value, "bound": first["bound"],
+            "met": value >= float(bound) if op == ">=" else value <= float(bound),
+            "runs": values,
+        })
+    # Round trips are counts: every run must agree, or the table says the highest.
+    trips = {
+        name: max((run["round_trips"][name] for run in runs), key=lambda t: t["round_trips"])
+        for name in ROUND_TRIPS
+    }
+    meta = dict(runs[0]["meta"])
+    meta.update(runs=len(runs), dates=[run["meta"]["date"] for run in runs])
+    return {"meta": meta, "rows": rows, "spread": spread, "round_trips": trips,
+            "targets": combined_targets}
+
+
 def _version(dist: str) -> str:
     from importlib.metadata import version
 
@@ -746,17 +786,21 @@ LABELS = {
 def format_table(results: dict[str, Any]) -> str:
     """The results as a plain-text table (µs rows also as speed relative to a)."""
     rows, m = results["rows"], results["meta"]
+    spread = results.get("spread", {})
+    runs = f" · median of {m['runs']} runs (lowest to highest)" if "runs" in m else ""
     floor = rows["a_plain_apply_async"]
     lines = [
         f"celery-dedup {m['celery_dedup']} · celery {m['celery']} · redis-server "
         f"{m['redis_server']} · Python {m['python']} · {m['cpus']} CPUs · n={m['iterations']}, "
-        f"best of {m['rounds']} · live locks {m['live_locks'][0]:,} / {m['live_locks'][1]:,}",
+        f"{m['rounds']} rounds · live locks {m['live_locks'][0]:,} / {m['live_locks'][1]:,}"
+        + runs,
         "",
     ]
     for key in ROWS:
         label, unit = LABELS[key]
         ratio = f"{floor / rows[key]:.2f}x a" if unit == "µs" and key < "e" else ""
-        lines.append(f"{label:<38} {rows[key]:>12,.1f} {unit:<8} {ratio}")
+        low_high = (f"{spread[key][0]:,.1f} to {spread[key][1]:,.1f}" if key in spread else "")
+        lines.append(f"{label:<38} {rows[key]:>12,.1f} {unit:<8} {ratio:<8} {low_high}".rstrip())
     lines.append("")
     for name in ROUND_TRIPS:
         trip = results["round_trips"][name]
@@ -765,7 +809,10 @@ def format_table(results: dict[str, Any]) -> str:
     lines.append("")
     for target in results["targets"]:
         state = "met" if target["met"] else "MISSED"
-        lines.append(f"{target['target']:<38} {target['value']:>9.2f} {target['bound']:<8} {state}")
+        values = target.get("runs")
+        low_high = f"  ({min(values):.2f} to {max(values):.2f})" if values else ""
+        lines.append(f"{target['target']:<38} {target['value']:>9.2f} {target['bound']:<8} "
+                     f"{state}{low_high}")
     return "\n".join(lines)
 
 
@@ -807,16 +854,56 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="seconds, small N (CI)")
     parser.add_argument("--iterations", type=int, help="calls per round")
     parser.add_argument("--rounds", type=int, help="rounds; the best one counts")
+    parser.add_argument("--runs", type=int, default=1,
+                        help="whole runs, each on fresh servers; rows are their median")
     parser.add_argument("--json", type=Path, default=RESULTS, help="where to write the results")
+    parser.add_argument("--publish", action="store_true",
+                        help=f"write the results to {PUBLISHED.relative_to(ROOT)} and the table "
+                             f"into {PAGE.relative_to(ROOT)}")
     args = parser.parse_args(argv)
-    results = run(smoke=args.smoke, iterations=args.iterations, rounds=args.rounds)
-    print(format_table(results))
-    comparison = save(results, args.json)
+    if args.runs > 1:
+        results = combine(separate_runs(args.runs, args.smoke, args.iterations, args.rounds))
+    else:
+        results = run(smoke=args.smoke, iterations=args.iterations, rounds=args.rounds)
+    table = format_table(results)
+    print(table)
+    target = PUBLISHED if args.publish else args.json
+    comparison = save(results, target)
     if comparison is not None:
         print("\n" + comparison)
-    kept = previous_path(args.json)
-    print(f"\nwritten to {args.json}" + (f" (the run before: {kept})" if kept.exists() else ""))
+    if args.publish:
+        publish_table(PAGE, table)
+        print(f"\nthe table is in {PAGE.relative_to(ROOT)}")
+    kept = previous_path(target)
+    print(f"\nwritten to {target}" + (f" (the run before: {kept})" if kept.exists() else ""))
     return 0
+
+
+def separate_runs(count: int, smoke: bool, iterations: int | None,
+                  rounds: int | None) -> list[dict[str, Any]]:
+    """``count`` whole runs, each in a process of its own (fresh servers, fresh clients)."""
+    results = []
+    with tempfile.TemporaryDirectory() as folder:
+        for number in range(1, count + 1):
+            path = Path(folder) / f"run{number}.json"
+            command = [sys.executable, str(Path(__file__).resolve()), "--json", str(path)]
+            command += ["--smoke"] if smoke else []
+            command += ["--iterations", str(iterations)] if iterations else []
+            command += ["--rounds", str(rounds)] if rounds else []
+            subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+            results.append(json.loads(path.read_text()))
+            print(f"run {number} of {count} done", flush=True)
+    return results
+
+
+def publish_table(page: Path, table: str) -> None:
+    """Put ``table`` between ``TABLE_START`` and ``TABLE_END`` in ``page``."""
+    text = page.read_text()
+    head, found, rest = text.partition(TABLE_START)
+    _, found_end, tail = rest.partition(TABLE_END)
+    if not (found and found_end):
+        raise SystemExit(f"{page}: the lines {TABLE_START!r} and {TABLE_END!r} are missing")
+    page.write_text(f"{head}{TABLE_START}\n\n```text\n{table}\n```\n\n{TABLE_END}{tail}")
 
 
 def previous_path(path: Path) -> Path:

@@ -7,11 +7,26 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from benchmarks import profile_calls
-from benchmarks.run import ROUND_TRIPS, ROWS, format_table, main, previous_path, save
+from benchmarks.run import (
+    PAGE,
+    PUBLISHED,
+    ROUND_TRIPS,
+    ROWS,
+    TABLE_END,
+    TABLE_START,
+    combine,
+    format_table,
+    main,
+    previous_path,
+    publish_table,
+    save,
+    targets,
+)
 
 
 def test_benchmark_smoke_run(tmp_path: Path) -> None:
@@ -54,6 +69,48 @@ def test_benchmark_smoke_run(tmp_path: Path) -> None:
     table = format_table(results)
     assert "store round trips per executed" in table
     assert all(target["target"] in table for target in results["targets"])
+    _combined_runs_are_medians(results, tmp_path)
+
+
+def _combined_runs_are_medians(results: dict[str, Any], tmp_path: Path) -> None:
+    """``--runs 3``: each row and target is the median of the runs, shown with its spread."""
+    runs = []
+    for scale in (1.0, 2.0, 4.0):  # three runs, every timing of the second twice the first's
+        rows = {key: value * scale if key.startswith(("a_", "c_")) else value
+                for key, value in results["rows"].items()}
+        runs.append({**results, "rows": rows, "targets": targets(rows, results["round_trips"])})
+    combined = combine(runs)
+    plain = results["rows"]["a_plain_apply_async"]
+    assert combined["rows"]["a_plain_apply_async"] == plain * 2
+    assert combined["spread"]["a_plain_apply_async"] == [plain, plain * 4]
+    assert combined["meta"]["runs"] == 3
+    first = next(t for t in combined["targets"] if t["target"] == "first enqueue vs g (speed)")
+    assert sorted(first["runs"]) == sorted(t["value"] for run in runs for t in run["targets"]
+                                           if t["target"] == first["target"])
+    assert first["value"] == sorted(first["runs"])[1]
+    table = format_table(combined)
+    assert "median of 3 runs" in table
+    assert f"{plain:,.1f} to {plain * 4:,.1f}" in table
+    page = tmp_path / "page.md"
+    page.write_text(f"# Numbers\n\n{TABLE_START}\nold\n{TABLE_END}\n\nafter\n")
+    publish_table(page, table)
+    written = page.read_text()
+    assert "old" not in written and table in written and written.endswith("after\n")
+
+
+def test_the_published_table_is_the_published_runs() -> None:
+    """docs/benchmarks.md shows exactly what ``--runs 5 --publish`` wrote beside it: five full
+    runs' medians (not a smoke run, not a single run, not an edited table)."""
+    published = json.loads(PUBLISHED.read_text())
+    assert published["meta"]["smoke"] is False
+    assert published["meta"]["runs"] >= 5
+    assert set(published["rows"]) == set(ROWS) == set(published["spread"])
+    page = PAGE.read_text()
+    block = page.split(TABLE_START, 1)[1].split(TABLE_END, 1)[0]
+    assert block == f"\n\n```text\n{format_table(published)}\n```\n\n"
+    for target in published["targets"]:  # a miss says so
+        line = next(line for line in block.splitlines() if line.startswith(target["target"]))
+        assert ("MISSED" in line) is (not target["met"])
 
 
 def test_profile_script_runs(
