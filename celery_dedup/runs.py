@@ -28,20 +28,29 @@ its end, so a follow-up never runs beside the run it follows. A store that
 keeps gates natively (``run_gates``) does so in the same round trips; on
 any other the gate is a TTL lock taken before and given up after them
 (``GatedRuns``: one round trip more at each end).
+
+The follow-up waiting at a gate is woken when the run it waits for ends
+(``gate_handoff``): by the store's run records (``GateHandoff``), or, on a
+store keeping the gate as a lock, by ``GatedRuns`` on the store's
+``GateWaiters``: the gate's release takes the waiter out in the same call.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection, Mapping, Sequence
 from functools import partial
 from typing import Any, cast
 
 from . import backoff
+from .exceptions import StoreError
 from .stores.base import (
     DONE_POLICY,
     OUTCOME_FIELD,
     RUNNING_POLICY,
     Claim,
+    GateHandoff,
+    GateWaiters,
     LockMeta,
     LockStore,
     RunOutcome,
@@ -57,6 +66,7 @@ __all__ = [
     "StoreRuns",
     "attempt_of",
     "done_ttl_for",
+    "gate_handoff",
     "keep_record",
     "record_life",
     "records_of",
@@ -82,9 +92,13 @@ def attempt_of(request: Any) -> str:
     return f"{get('retries', None) or 0}.{get('replaced_task_nesting', None) or 0}"
 
 
+logger = logging.getLogger("celery_dedup")
+
 #: Whether a store class keeps run records natively, decided once per class
 #: (a protocol ``isinstance`` walks every member on each call).
 _NATIVE: dict[type, bool] = {}
+#: Whether a store class lists gate waiters (``GateWaiters``), decided once per class.
+_WAITERS: dict[type, bool] = {}
 
 
 def records_of(store: LockStore) -> RunRecords:
@@ -100,6 +114,25 @@ def records_of(store: LockStore) -> RunRecords:
     if native and getattr(store, "run_gates", False):
         return records
     return GatedRuns(records, store)
+
+
+def gate_handoff(store: LockStore) -> GateHandoff | None:
+    """What wakes the ``keep_last`` follow-up waiting at a gate of ``store`` when the
+    run it waits for ends: the store's own run records (``run_gates`` and
+    ``GateHandoff``), its ``GatedRuns`` when the store lists gate waiters
+    (``GateWaiters``), or ``None`` (the follow-up waits with its backoff alone).
+    """
+    records = records_of(store)
+    if isinstance(records, GatedRuns):
+        return records if records.waiters is not None else None
+    return cast(GateHandoff, records) if isinstance(records, GateHandoff) else None
+
+
+def _gate_waiters(store: LockStore) -> GateWaiters | None:
+    listing = _WAITERS.get(type(store))
+    if listing is None:
+        listing = _WAITERS[type(store)] = isinstance(store, GateWaiters)
+    return cast(GateWaiters, store) if listing else None
 
 
 def _record_meta(meta: LockMeta, policy: str) -> Mapping[str, str]:
@@ -215,12 +248,17 @@ class GatedRuns:
 
     For stores that do not keep gates in their run-record operations: the
     gate (``RunRef.gate``, owned by the delivery token) is taken before the
-    lease and given up after the end, one round trip each.
+    lease and given up after the end, one round trip each. On a store that
+    lists gate waiters (``GateWaiters``) it is also a ``GateHandoff``: the
+    follow-up lists itself at the gate, and the gate's release at the run's
+    end (``open_gate``, the same one call) takes it out to be woken.
     """
 
     def __init__(self, records: RunRecords, store: LockStore) -> None:
         self.records = records
         self.store = store
+        #: the store's gate waiters, when it lists them
+        self.waiters = _gate_waiters(store)
 
     def claim_run(
         self,
@@ -256,6 +294,45 @@ class GatedRuns:
         finally:
             if run.gated:
                 self.store.release(run.gate, run.token)
+
+    def end_run_in_turn(
+        self, run: RunRef, done_ttl: float, meta: LockMeta, *, release: bool | None
+    ) -> tuple[bool, bytes | None]:
+        """End the run, then open its gate and take out the follow-up waiting at it
+        (``GateHandoff``; the opening costs what the gate's release costs).
+
+        An end that raised only releases the gate (as ``end_run``): its
+        waiter is taken by the end's retry, or waits for its backoff.
+        """
+        if not run.gated or self.waiters is None:
+            return self.end_run(run, done_ttl, meta, release=release), None
+        try:
+            ended = self.records.end_run(run, done_ttl, meta, release=release)
+        except BaseException:
+            self.store.release(run.gate, run.token)
+            raise
+        return ended, self._open_gate(run, self.waiters)
+
+    def _open_gate(self, run: RunRef, waiters: GateWaiters) -> bytes | None:
+        try:
+            return waiters.open_gate(run.gate, run.token)
+        except StoreError as exc:
+            # The gate opens whatever became of its waiter (its backoff brings it).
+            logger.warning(
+                "celery-dedup: could not take the follow-up waiting at the run gate of "
+                "lock %s (it comes back with its backoff): %s",
+                run.key,
+                exc,
+            )
+            self.store.release(run.gate, run.token)
+            return None
+
+    def wait_at_gate(self, run: RunRef, payload: bytes, life: float) -> bool:
+        """List the follow-up at the gate another run holds (``GateWaiters``); ``False``:
+        the gate is open (nothing listed), or the store lists no waiters."""
+        if self.waiters is None:
+            return False
+        return self.waiters.list_gate_waiter(run.gate, run.token, payload, life)
 
     def abandon_run(self, run: RunRef) -> bool:
         """Give the lease up, then the gate."""

@@ -42,7 +42,6 @@ from .stores.base import (
     OUTCOME_FIELD,
     Claim,
     ClaimOutcome,
-    GateHandoff,
     Lock,
     LockMeta,
     LockStore,
@@ -483,11 +482,6 @@ def _wait_for_gate(
     raise AssertionError("unreachable")  # _defer raises Ignore
 
 
-def _hands_gates_over(store: LockStore) -> bool:
-    """Whether ``store`` keeps run gates in its run records and wakes their waiters."""
-    return bool(getattr(store, "run_gates", False)) and isinstance(store, GateHandoff)
-
-
 def _wait_at_gate(
     task: DedupTaskLike,
     request: Any,
@@ -497,21 +491,21 @@ def _wait_at_gate(
     kwargs: Any,
     countdown: float,
 ) -> None:
-    """List this follow-up at its key's gate (``GateHandoff``): the run's end wakes it.
+    """List this follow-up at its key's gate (``runs.gate_handoff``): the run's end wakes it.
 
     Its deferred copy stays the safety net. A gate found open (the run
     ended since the claim) wakes it here; a store error leaves it to the
     backoff alone.
     """
-    if not _hands_gates_over(store):
+    turns = runs.gate_handoff(store)
+    if turns is None:
         return
-    assert isinstance(store, GateHandoff)
     dedup_task: Any = task
     waiter = handoff.waiter_of(dedup_task, request, args, kwargs, countdown)
     if waiter is None:
         return
     try:
-        listed = store.wait_at_gate(run, waiter.payload, waiter.life)
+        listed = turns.wait_at_gate(run, waiter.payload, waiter.life)
     except StoreError as exc:
         logger.warning(
             "celery-dedup: %s[%s] waits for its gate with the backoff alone: %s",
@@ -754,8 +748,8 @@ def _record_end(
     a killed child, the lease keeper retrying an end the store did not
     answer) wakes the follow-up the end took out of the store.
     """
-    if run.gated and _hands_gates_over(store):
-        turns = cast(GateHandoff, store)
+    turns = runs.gate_handoff(store) if run.gated else None
+    if turns is not None:
         ended, payload = turns.end_run_in_turn(run, done_ttl, meta, release=release)
         if payload is not None:
             handoff.wake(task, [payload])  # type: ignore[arg-type]

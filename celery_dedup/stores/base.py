@@ -51,6 +51,7 @@ __all__ = [
     "DurabilityReport",
     "FencedClaims",
     "GateHandoff",
+    "GateWaiters",
     "LimitListing",
     "Lock",
     "LockMeta",
@@ -444,6 +445,34 @@ class GateHandoff(Protocol):
     ) -> tuple[bool, bytes | None]:
         """``RunRecords.end_run`` in the same round trip, with the payload of the gate's
         waiter when the end opened ``run``'s gate and one was listed (taken out)."""
+
+
+@runtime_checkable
+class GateWaiters(Protocol):
+    """**Protocol:** a store whose ``keep_last`` run gates are plain locks (``runs.GatedRuns``)
+    and that lists the follow-up waiting at one, so the run's end wakes it.
+
+    What ``GateHandoff`` does inside a native store's run records, beside
+    its lock operations: a gate (a lock at ``RunRef.gate``) has at most one
+    waiter, the follow-up that found it held (a newer one replaces it), whose
+    payload (``handoff.waiter_of``) is kept beside the gate with a TTL.
+    Both calls are atomic on the store, so a run's end and a follow-up
+    listing itself never miss each other: the listing lands while the gate
+    is held (the opening takes it) or finds it open (the follow-up publishes
+    itself). Opening a gate with no waiter costs what ``release`` costs.
+    """
+
+    def list_gate_waiter(self, gate: str, token: str, payload: bytes, life: float) -> bool:
+        """List ``payload`` as the waiter of the lock ``gate`` for ``life`` seconds while an
+        owner other than ``token`` holds it; ``False``: nobody else holds it (nothing
+        listed: the caller publishes the payload itself)."""
+
+    def open_gate(self, gate: str, token: str) -> bytes | None:
+        """Release ``gate`` if ``token`` holds it and, unless another owner holds it, take
+        its waiter out, in one atomic step: the waiter's payload, or ``None``.
+
+        Exactly one caller ever gets a listed payload.
+        """
 
 
 @runtime_checkable

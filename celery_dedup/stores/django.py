@@ -37,6 +37,7 @@ backoff; every other database error becomes a ``StoreError`` (``classify``).
 
 from __future__ import annotations
 
+import base64
 import logging
 import os
 import random
@@ -411,6 +412,20 @@ class DjangoStore:
     def purge_expired(self, prefix: str = "") -> int:
         """Delete expired locks under ``prefix`` (and expired revoked markers); how many locks."""
         return self._run(lambda q: q.purge_expired(prefix))
+
+    # -- GateWaiters ---------------------------------------------------------
+
+    def list_gate_waiter(self, gate: str, token: str, payload: bytes, life: float) -> bool:
+        """List the follow-up at the gate another owner holds (``GateWaiters``; one
+        transaction, the gate's row locked first)."""
+        text = base64.b64encode(payload).decode("ascii")
+        return self._run(lambda q: q.list_gate_waiter(gate, token, text, life))
+
+    def open_gate(self, gate: str, token: str) -> bytes | None:
+        """Release ``token``'s gate and take its waiter (``GateWaiters``): one ``DELETE``,
+        as ``release``, when nobody waits; a transaction when a waiter is listed."""
+        woken = self._run(lambda q: q.open_gate(gate, token))
+        return base64.b64decode(woken) if woken else None
 
     # -- CounterSupport ------------------------------------------------------
 

@@ -33,6 +33,7 @@ from .base import (
     Claim,
     Durability,
     DurabilityReport,
+    GateWaiters,
     Lock,
     LockMeta,
     LockStore,
@@ -259,6 +260,14 @@ class DjangoCacheStore:
     def scan(self, prefix: str) -> Iterator[Lock]:
         """Every live lock under ``prefix`` (memcached and Redis caches only)."""
         return self.locks().scan(prefix)
+
+    def list_gate_waiter(self, gate: str, token: str, payload: bytes, life: float) -> bool:
+        """List the follow-up at the gate another owner holds (``GateWaiters``)."""
+        return cast(GateWaiters, self.locks()).list_gate_waiter(gate, token, payload, life)
+
+    def open_gate(self, gate: str, token: str) -> bytes | None:
+        """Release ``token``'s gate and take its waiter (``GateWaiters``)."""
+        return cast(GateWaiters, self.locks()).open_gate(gate, token)
 
 
 def classify(exc: BaseException) -> type[StoreError] | None:

@@ -42,6 +42,7 @@ pymemcache is imported only by the functions that use it.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import inspect
 import json
@@ -203,6 +204,49 @@ def _decode(raw: Any) -> Lock | None:
         return None
 
 
+#: The fields of a gate's record that hold the follow-up waiting at it (``GateWaiters``):
+#: its payload (base64) and when the listing lapses (on the record's clock).
+WAITER_FIELD, WAITER_UNTIL = "w", "we"
+
+
+def _record_of(raw: Any) -> dict[str, Any] | None:
+    try:
+        record = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+    except (ValueError, TypeError, AttributeError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _with_waiter(raw: Any, payload: bytes, until: float) -> str:
+    """The gate's record ``raw`` with ``payload`` listed as its waiter until ``until``."""
+    record = _record_of(raw) or {}
+    record[WAITER_FIELD] = base64.b64encode(payload).decode("ascii")
+    record[WAITER_UNTIL] = _ms(until)
+    return json.dumps(record, separators=(",", ":"))
+
+
+def _waiter_in(raw: Any, now: float) -> bytes | None:
+    """The payload of the waiter listed in the gate's record ``raw``, unless it lapsed."""
+    record = _record_of(raw)
+    if record is None or WAITER_FIELD not in record:
+        return None
+    if float(record.get(WAITER_UNTIL) or 0) <= now:
+        return None
+    return base64.b64decode(record[WAITER_FIELD])
+
+
+def _keep_waiter(raw: Any, value: str) -> str:
+    """``value`` (a rewrite of the record ``raw``) with ``raw``'s waiter kept, if it has one."""
+    mark = f'"{WAITER_FIELD}":'
+    if not (mark.encode() in raw if isinstance(raw, bytes) else mark in str(raw)):
+        return value
+    old, new = _record_of(raw), _record_of(value)
+    if old is None or new is None or WAITER_FIELD not in old:
+        return value
+    new[WAITER_FIELD], new[WAITER_UNTIL] = old[WAITER_FIELD], old.get(WAITER_UNTIL, 0)
+    return json.dumps(new, separators=(",", ":"))
+
+
 def expiry_for(seconds: float) -> int:
     """The relative memcached expiry of an item living ``seconds``: ``ceil(seconds) + 1``.
 
@@ -334,7 +378,10 @@ class CacheLocks:
             holder = slot.lock
             if holder is None or holder.owner != owner:
                 return False
-            if self._cas(slot, *rewrite(holder)):
+            value, seconds = rewrite(holder)
+            if value is not None:
+                value = _keep_waiter(slot.raw, value)  # a gate's waiter outlives its renewals
+            if self._cas(slot, value, seconds):
                 return True
         raise _Contended
 
@@ -493,6 +540,41 @@ class CacheLocks:
             slot, _found = self._read(physical)
             lock = slot.lock
             return None if lock is None or lock.key != key else self._local(physical, lock)
+
+    # -- GateWaiters -------------------------------------------------------
+
+    def list_gate_waiter(self, gate: str, token: str, payload: bytes, life: float) -> bool:
+        """List the follow-up in the record of the gate another owner holds (``GateWaiters``).
+
+        ``gets`` + ``cas`` of the gate's own item (its end kept): the
+        listing lives and goes with the gate, and the release that opens it
+        reads it in the same ``gets``.
+        """
+        physical = self._physical(gate)
+        with self._op("list_gate_waiter"):
+            for _ in _attempts():
+                slot, _found = self._read(physical)
+                holder = slot.lock
+                if holder is None or holder.key != gate or holder.owner == token:
+                    return False
+                value = _with_waiter(slot.raw, payload, self._now(physical) + life)
+                if self._cas(slot, value, self._remaining(physical, holder)):
+                    return True
+            raise _Contended
+
+    def open_gate(self, gate: str, token: str) -> bytes | None:
+        """Release ``token``'s gate (``gets`` + compare-and-delete, as ``release``) and
+        answer the waiter its record listed (``GateWaiters``)."""
+        physical = self._physical(gate)
+        with self._op("open_gate"):
+            for _ in _attempts():
+                slot, _found = self._read(physical)
+                holder = slot.lock
+                if holder is None or holder.owner != token:
+                    return None
+                if self._cas(slot, None, 0):
+                    return _waiter_in(slot.raw, self._now(physical))
+            raise _Contended
 
 
 # -- memcached -----------------------------------------------------------------------------

@@ -49,6 +49,8 @@ class MemoryStore(MemoryLimits):
         self._counts: Counter[tuple[str, str]] = Counter()
         #: key → (its last fence, when its counter lapses)
         self._fences: dict[str, tuple[int, float]] = {}
+        #: gate key → (the payload of the follow-up waiting at it, when it lapses)
+        self._gate_waiters: dict[str, tuple[bytes, float]] = {}
         self._mutex = threading.Lock()
 
     @classmethod
@@ -266,6 +268,33 @@ class MemoryStore(MemoryLimits):
             ]
         yield from locks
 
+    # -- GateWaiters --------------------------------------------------------
+
+    def list_gate_waiter(self, gate: str, token: str, payload: bytes, life: float) -> bool:
+        """List the follow-up at the gate another owner holds (``GateWaiters``)."""
+        with self._mutex:
+            now = self.clock()
+            holder = self._live(gate, now)
+            if holder is None or holder.owner == token:
+                return False
+            lapsed = [k for k, (_, until) in self._gate_waiters.items() if until <= now]
+            for key in lapsed:
+                del self._gate_waiters[key]
+            self._gate_waiters[gate] = (payload, now + life)
+            return True
+
+    def open_gate(self, gate: str, token: str) -> bytes | None:
+        """Release ``token``'s gate and take its waiter (``GateWaiters``), under the lock."""
+        with self._mutex:
+            now = self.clock()
+            holder = self._live(gate, now)
+            if holder is not None:
+                if holder.owner != token:
+                    return None
+                del self._locks[gate]
+            payload, until = self._gate_waiters.pop(gate, (None, 0.0))
+            return payload if until > now else None
+
     def add_counts(self, prefix: str, counts: Mapping[tuple[str, str], int]) -> None:
         """Add to the in-memory counters."""
         with self._mutex:
@@ -282,5 +311,6 @@ class MemoryStore(MemoryLimits):
             self._locks.clear()
             self._revoked.clear()
             self._counts.clear()
+            self._gate_waiters.clear()
             self.__dict__.pop("_slot_table", None)
             self.__dict__.pop("_rate_table", None)

@@ -502,6 +502,44 @@ redis.call('set', KEYS[2], ARGV[2], 'PX', ARGV[3])
 return 1
 """
 
+# A run gate kept as a plain lock (``GateWaiters``: the Django cache store on a
+# RedisCache, which keeps run records with the lock operations): the
+# follow-up's payload, listed while another owner holds the gate lock.
+# KEYS[1] - the gate lock
+# KEYS[2] - its waiter (same hash slot)
+# ARGV[1] - the listing token (encoded)
+# ARGV[2] - the payload
+# ARGV[3] - the waiter's life in milliseconds
+# return 1 if listed, else 0
+LIST_GATE_WAITER = _PRELUDE + """
+local v = read(KEYS[1])
+if not v or owns(v, ARGV[1]) then
+    return 0
+end
+redis.call('set', KEYS[2], ARGV[2], 'PX', ARGV[3])
+return 1
+"""
+
+# RELEASE of a gate lock, taking its waiter unless another owner holds the gate.
+# KEYS[1..2] - as LIST_GATE_WAITER
+# ARGV[1] - the owner token (encoded)
+# return {the waiter's payload} when one was taken, else {}
+OPEN_GATE = _PRELUDE + """
+local v = read(KEYS[1])
+if v then
+    if not owns(v, ARGV[1]) then
+        return {}
+    end
+    redis.call('del', KEYS[1])
+end
+local payload = redis.call('get', KEYS[2])
+if payload then
+    redis.call('del', KEYS[2])
+    return {payload}
+end
+return {}
+"""
+
 # KEYS[1] - a run record
 # KEYS[2] - its key's run gate, for a gated run only (same hash slot)
 # ARGV[1] - the delivery token
@@ -829,6 +867,8 @@ class RedisStore(RedisLimits):
         self._end_run: Script = client.register_script(END_RUN)
         self._end_run_turn: Script = client.register_script(END_RUN_TURN)
         self._wait_at_gate: Script = client.register_script(WAIT_AT_GATE)
+        self._list_gate_waiter: Script = client.register_script(LIST_GATE_WAITER)
+        self._open_gate: Script = client.register_script(OPEN_GATE)
         self._lease: Script = client.register_script(LEASE)
         self._keep: Script = client.register_script(KEEP)
         self._peek: Script = client.register_script(PEEK)
@@ -1022,6 +1062,23 @@ class RedisStore(RedisLimits):
     def extend(self, key: str, owner: str, ttl: float) -> bool:
         """Compare-and-pexpire on the owner (one EVALSHA)."""
         return bool(self._run(self._extend, [self._k(key)], [_enc(owner), _ms(ttl)]))
+
+    def list_gate_waiter(self, gate: str, token: str, payload: bytes, life: float) -> bool:
+        """List the follow-up at a gate kept as a plain lock (``GateWaiters``; one EVALSHA).
+
+        Only a store whose run records are built from its lock operations
+        (the Django cache store) keeps gates so: this store's own run
+        records keep them natively (``GateHandoff``).
+        """
+        keys = [self._k(gate), self._marker(gate, "", "gatewait")]
+        return bool(self._run(self._list_gate_waiter, keys, [_enc(token), payload, _ms(life)]))
+
+    def open_gate(self, gate: str, token: str) -> bytes | None:
+        """Release a gate kept as a plain lock and take its waiter (``GateWaiters``; one
+        EVALSHA, as ``release``)."""
+        keys = [self._k(gate), self._marker(gate, "", "gatewait")]
+        raw = self._run(self._open_gate, keys, [_enc(token)])
+        return _as_bytes(raw[0]) if raw else None
 
     def take_over(self, key: str, owner: str, ttl: float, meta: LockMeta) -> Lock | None:
         """Make ``owner`` the holder; return the previous one (one EVALSHA)."""

@@ -106,6 +106,7 @@ from .sql_dialects import (
     _Runner,
     _set_session,
     _Statement,
+    _Transactional,
     counter_table,
     fence_table,
     is_contention,
@@ -772,6 +773,34 @@ class SQLStore(SQLLimits):
             return runner.connection.execute(WAIT_AT_GATE, params).first() is not None
 
         return self._run(wait, run.key)
+
+    # -- GateWaiters (MySQL/MariaDB, SQLite: gates kept as lock rows) ----------
+
+    def _transactional(self, dialect: _Dialect) -> _Transactional:
+        if not isinstance(dialect, _Transactional):
+            # PostgreSQL keeps gates in its run records and wakes their waiters there.
+            raise NotImplementedError("gate waiters of gates kept as locks: not on PostgreSQL")
+        return dialect
+
+    def list_gate_waiter(self, gate: str, token: str, payload: bytes, life: float) -> bool:
+        """List the follow-up at the gate another owner holds (``GateWaiters``): a short
+        transaction locking the gate's row, then writing the gate-wait row."""
+        params = {
+            "b_key": gate,
+            "b_owner": token,
+            "b_payload": base64.b64encode(payload).decode("ascii"),
+            "b_life": float(life),
+        }
+        return self._run(
+            lambda d, r: self._transactional(d).list_gate_waiter(r, params), gate
+        )
+
+    def open_gate(self, gate: str, token: str) -> bytes | None:
+        """Release ``token``'s gate and take its waiter (``GateWaiters``): one DELETE, as
+        ``release``, when nobody waits; a short transaction when a waiter is listed."""
+        params = {"b_key": gate, "b_owner": token}
+        woken = self._run(lambda d, r: self._transactional(d).open_gate(r, params), gate)
+        return base64.b64decode(woken) if woken else None
 
     def abandon_run(self, run: RunRef) -> bool:
         """Delete the lease if ``run``'s copy holds it (one DELETE; a done marker stays).

@@ -1218,6 +1218,20 @@ class _Transactional(_Dialect):
         self.mark_revoked = self.render(self.build_mark_revoked())
         self.lease = self.render(self.build_run_upsert(self.lease_taken()))
         self.done = self.render(self.build_run_upsert(None))
+        # Gate waiters (``GateWaiters``): the gate is a lock row (``b_key``) whose
+        # started flag, never set on a run record otherwise, says a follow-up is
+        # listed in the gate-wait table; an opening without one is one DELETE.
+        self.open_unlisted = self.render(delete(lock_table).where(self.mine, _L.started == false()))
+        self.flag_listed = self.render(update(lock_table).where(self.at_key).values(started=True))
+        self.gate_wait_upsert = self.render(self.build_gate_wait_upsert())
+        self.locked_gate_wait = self.render(
+            select(_G.payload)
+            .where(_G.key == bindparam("b_key", type_=String()), _G.expires_at > self.now)
+            .with_for_update()
+        )
+        self.drop_gate_wait = self.render(
+            delete(gate_wait_table).where(_G.key == bindparam("b_key", type_=String()))
+        )
 
     def build_insert_or_keep(self, values: dict[str, Any]) -> Insert:
         """Insert the new row, or leave the existing one as it is (locked)."""
@@ -1226,6 +1240,47 @@ class _Transactional(_Dialect):
     def build_run_upsert(self, where: ColumnElement[bool] | None) -> Insert:
         """Insert the run record, or overwrite it (when ``where`` holds, else always)."""
         raise NotImplementedError
+
+    def build_gate_wait_upsert(self) -> Insert:
+        """List ``b_payload`` at the gate ``b_key`` for ``b_life`` seconds (a newer one replaces
+        an older one)."""
+        raise NotImplementedError
+
+    def gate_wait_values(self) -> dict[str, Any]:
+        """The VALUES of a gate-wait row."""
+        return {
+            "key": bindparam("b_key", type_=String()),
+            "payload": bindparam("b_payload", type_=Text()),
+            "expires_at": self.now + bindparam("b_life", type_=Double()),
+        }
+
+    def list_gate_waiter(self, run: _Runner, params: dict[str, Any]) -> bool:
+        """List the follow-up while another owner holds the gate: a transaction that
+        locks the gate's row first, so an opening waits for it or it finds the gate open."""
+        with _transaction(run, self.begin):
+            row = run(self.locked_row, params).first()
+            if row is None or row.expires_at <= row.now or row.owner == params["b_owner"]:
+                return False
+            run(self.gate_wait_upsert, params)
+            run(self.flag_listed, params)
+            return True
+
+    def open_gate(self, run: _Runner, params: dict[str, Any]) -> str | None:
+        """Release ``b_owner``'s gate and take its waiter: one DELETE when none is listed;
+        else a transaction locking the gate's row, then the waiter's."""
+        if run(self.open_unlisted, params).rowcount:
+            return None
+        with _transaction(run, self.begin):
+            row = run(self.locked_row, params).first()
+            if row is not None and row.expires_at > row.now:
+                if row.owner != params["b_owner"]:
+                    return None  # another run's gate: its waiter is its own
+                run(self.drop, params)
+            waiter = run(self.locked_gate_wait, params).first()
+            if waiter is None:
+                return None
+            run(self.drop_gate_wait, params)
+            return str(waiter.payload)
 
     def take_lease(self, run: _Runner, params: dict[str, Any]) -> tuple[bool, Any]:
         """Run the lease upsert: whether this copy holds the lease, else the record's row."""
@@ -1369,6 +1424,14 @@ class _SQLite(_Transactional):
             where=where,
         )
 
+    def build_gate_wait_upsert(self) -> Insert:
+        values = self.gate_wait_values()
+        ins = sqlite.insert(gate_wait_table).values(**values)
+        return ins.on_conflict_do_update(
+            index_elements=[_G.key],
+            set_={name: ins.excluded[name] for name in values if name != "key"},
+        )
+
     def take_lease(self, run: _Runner, params: dict[str, Any]) -> tuple[bool, Any]:
         # The upsert returns a row only when it wrote one: then it is ours.
         if run(self.lease_returning, params).first() is not None:
@@ -1463,6 +1526,12 @@ class _MySQL(_Transactional):
             )
         return ins.on_duplicate_key_update(
             [(name, func.if_(where, ins.inserted[name], _L[name])) for name in self._ASSIGNED]
+        )
+
+    def build_gate_wait_upsert(self) -> Insert:
+        ins = mysql.insert(gate_wait_table).values(**self.gate_wait_values())
+        return ins.on_duplicate_key_update(
+            payload=ins.inserted.payload, expires_at=ins.inserted.expires_at
         )
 
     def build_insert_or_keep(self, values: dict[str, Any]) -> Insert:

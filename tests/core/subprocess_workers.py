@@ -60,7 +60,30 @@ class RunsLog:
 
 
 def store_url(request: pytest.FixtureRequest) -> str:
-    """``""`` (the result backend's Redis) or an emptied PostgreSQL store, per ``request.param``."""
+    """``""`` (the result backend's Redis) or an emptied PostgreSQL, SQLite, MySQL/MariaDB
+    or memcached store, per ``request.param``."""
+    if request.param == "sqlite":
+        path = request.getfixturevalue("tmp_path") / "locks.sqlite3"
+        return f"db+sqlite:///{path}"
+    if request.param == "mysql":
+        from celery_dedup.stores.sql import SQLStore
+        from tests.fixtures.sql_stores import empty_tables
+
+        url = "db+" + request.getfixturevalue("mysql_server").url("pymysql")
+        store = SQLStore(url.removeprefix("db+"))
+        try:
+            empty_tables(store)
+        finally:
+            store.close()
+        return url
+    if request.param == "memcached":
+        server = request.getfixturevalue("memcached_server")
+        client = server.client()
+        try:
+            client.flush_all()
+        finally:
+            client.close()
+        return str(server.url)
     if request.param != "postgres":
         return ""
     server: PostgresServer = request.getfixturevalue("postgres_server")

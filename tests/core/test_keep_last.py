@@ -138,6 +138,38 @@ worker = worker_fixture(
     dbs=(BROKER_DB, BACKEND_DB, RUNS_DB),
     doc="A two-slot prefork worker (started by the test); its store is Redis or PostgreSQL.",
 )
+#: Every store a worker can share with its producers: Redis and PostgreSQL wake the
+#: follow-up in their run records, the others at the gate lock (``GateWaiters``).
+every_store = worker_fixture(
+    app, runs_log,
+    module=__name__,
+    queue=QUEUE,
+    dbs=(BROKER_DB, BACKEND_DB, RUNS_DB),
+    doc="A two-slot prefork worker (started by the test) on each store.",
+    stores=("redis", "postgres", "sqlite", "mysql", "memcached"),
+)
+#: Stores keeping the gate as a lock (``GateWaiters``).
+gate_lock_store = worker_fixture(
+    app, runs_log,
+    module=__name__,
+    queue=QUEUE,
+    dbs=(BROKER_DB, BACKEND_DB, RUNS_DB),
+    doc="A two-slot prefork worker (started by the test) on SQLite or memcached.",
+    stores=("sqlite", "memcached"),
+)
+
+#: The countdown of every deferral in a worker started with ``LAST_LONG_BACKOFF`` set:
+#: a follow-up's parked copy comes back only this long after it was deferred, so a
+#: follow-up that runs before it was woken.
+LONG_BACKOFF = 12.0
+
+if os.environ.get("LAST_LONG_BACKOFF"):
+    from celery_dedup import worker as _worker
+
+    def _long_countdown(task: Any, request: Any, base: float | None = None) -> float:
+        return LONG_BACKOFF
+
+    _worker.deferral_countdown = _long_countdown
 
 
 def logged(redis_server: RedisServer) -> list[str]:
@@ -329,3 +361,58 @@ def test_a_follow_up_waiting_when_the_run_it_follows_is_sigkilled_is_woken_by_th
     settle()
     assert logged(redis_server) == ["start:0", "start:1", "end:1"]
     assert inspect_lock(follow_up.deduplication_key, app=app) is None
+
+
+def _woken_then_parked_copy_dropped(
+    worker: Worker, redis_server: RedisServer, follow_up: Any
+) -> None:
+    """The follow-up ran once, woken (its parked copy's backoff is ``LONG_BACKOFF``); the
+    parked copy, when it comes back, is refused as a copy of a run that ran."""
+    assert follow_up.get(timeout=90) == 1
+    assert f"last.sync[{follow_up.id}] woken" in worker.text()
+    # Never run by its parked copy: that one comes back later and is dropped.
+    wait_until(lambda: "already ran" in worker.text(), timeout=LONG_BACKOFF + 60)
+    settle()
+    assert logged(redis_server)[-2:] == ["start:1", "end:1"]
+    assert logged(redis_server).count("start:1") == 1
+    assert inspect_lock(follow_up.deduplication_key, app=app) is None
+
+
+def test_a_follow_up_waiting_at_the_gate_is_woken_when_the_run_it_follows_ends(
+    every_store: Worker, redis_server: RedisServer
+) -> None:
+    """On every store: a follow-up deferred at its key's run gate, its parked copy due back
+    only after a long backoff, runs as soon as the run it follows ends (the end hands the
+    gate over and the ending worker publishes it), exactly once."""
+    worker = every_store
+    worker.env["LAST_LONG_BACKOFF"] = "1"
+    worker.start()
+    first = sync.delay(0)
+    wait_until(lambda: "start:0" in logged(redis_server), timeout=60)
+    follow_up = sync.delay(1)
+    wait_until(lambda: f"[{follow_up.id}] deferred" in worker.text(), timeout=60)
+    release_first_run(redis_server)
+    assert first.get(timeout=60) == 0
+    _woken_then_parked_copy_dropped(worker, redis_server, follow_up)
+    assert logged(redis_server) == ["start:0", "end:0", "start:1", "end:1"]
+
+
+def test_on_a_gate_lock_store_a_killed_run_s_end_wakes_the_follow_up_from_the_main_process(
+    gate_lock_store: Worker, redis_server: RedisServer
+) -> None:
+    """SQLite and memcached (the gate a lock): the run holding the gate dies with its pool
+    child while the follow-up waits at the gate, its parked copy due back only after a long
+    backoff; the worker's main process records the killed run's end, which opens the gate
+    and wakes the follow-up. It runs once."""
+    worker = gate_lock_store
+    worker.env["LAST_LONG_BACKOFF"] = "1"
+    worker.start()
+    first = sync.delay(0)
+    wait_until(lambda: "start:0" in logged(redis_server), timeout=60)
+    follow_up = sync.delay(1)
+    wait_until(lambda: f"[{follow_up.id}] deferred" in worker.text(), timeout=60)
+    os.kill(pids(redis_server, "start:0")[0], signal.SIGKILL)
+    _woken_then_parked_copy_dropped(worker, redis_server, follow_up)
+    assert f"INFO/MainProcess] celery-dedup: last.sync[{follow_up.id}] woken" in worker.text()
+    assert first.state == states.FAILURE
+    assert logged(redis_server) == ["start:0", "start:1", "end:1"]

@@ -67,9 +67,10 @@ def lock_store(celery_app: Any, transactional_db: None) -> DjangoStore:
 
 
 def _flush(alias: str) -> None:
-    from celery_dedup.contrib.django.models import DedupCounter, DedupLock
+    from celery_dedup.contrib.django.models import DedupCounter, DedupGateWaiter, DedupLock
 
     DedupLock.all_rows.using(alias).all().delete()
+    DedupGateWaiter.objects.using(alias).all().delete()
     DedupCounter.objects.using(alias).all().delete()
 
 

@@ -20,11 +20,12 @@ import pytest
 
 from celery_dedup import key_reuse
 from celery_dedup.identity import digest
-from celery_dedup.runs import records_of
+from celery_dedup.runs import gate_handoff, records_of
 from celery_dedup.stores import store_from_url
 from celery_dedup.stores.base import (
     ClaimOutcome,
     CounterSupport,
+    GateHandoff,
     Lock,
     LockStore,
     QueuedTakeOver,
@@ -72,6 +73,46 @@ def race(store: LockStore, owner: str, start: Callable[[], Any]) -> dict[str, st
         holder = store.acquire(key, owner, 60, META)
         seen[key] = owner if holder is None else holder.owner
     return seen
+
+
+def _race_end_and_listing(
+    turns: GateHandoff, run: RunRef, follow_up: RunRef, *, ending_late: bool
+) -> list[bytes]:
+    """``run``'s end and ``follow_up`` listing itself at the gate, on two threads started
+    together (one of them a moment late, at random): the payloads woken, by the end
+    or by the follow-up publishing itself on finding the gate open."""
+    barrier = threading.Barrier(2)
+    woken: list[bytes] = []
+    errors: list[BaseException] = []
+
+    def pause(late: bool) -> None:
+        barrier.wait()
+        if late:
+            time.sleep(random.uniform(0, 0.01))
+
+    def end() -> None:
+        pause(ending_late)
+        payload = turns.end_run_in_turn(run, 30, META, release=None)[1]
+        woken.extend([payload] if payload is not None else [])
+
+    def listing() -> None:
+        pause(not ending_late)
+        if not turns.wait_at_gate(follow_up, b"follow-up", 30):
+            woken.append(b"follow-up")
+
+    def guarded(body: Callable[[], None]) -> None:
+        try:
+            body()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(body,)) for body in (end, listing)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not errors, errors
+    return woken
 
 
 def _race_process(url: str, owner: str, barrier: Any, results: Any) -> None:
@@ -981,6 +1022,67 @@ class StoreContract:
             assert outcome is RunOutcome.WAITING
             assert time.monotonic() < deadline, "the gate did not lapse"
             time.sleep(0.1)
+
+    # -- the follow-up waiting at a gate is woken by the run's end (``gate_handoff``) --
+
+    def test_a_run_s_end_hands_its_gate_to_the_follow_up_waiting_at_it(
+        self, store_case: StoreCase
+    ) -> None:
+        """A follow-up listed at the gate a run holds is taken out by that run's end, byte
+        for byte, the newest listing only, even after the gate was renewed; a copy that
+        does not hold the gate, or an end nobody waits for, wakes nobody; an open gate
+        lists nobody."""
+        store = store_case.store
+        runs = records_of(store)
+        turns = gate_handoff(store)
+        assert turns is not None, "every store wakes a keep_last follow-up"
+        run = RunRef("gate:w", "owner-a", "0.0", "copy-a", gated=True)
+        assert runs.claim_run(run, 30, META, release=False, ttl=30)[0] is RunOutcome.BEGUN
+        follow_up = RunRef("gate:w", "owner-b", "0.0", "copy-b", gated=True)
+        assert runs.claim_run(follow_up, 30, META, release=False, ttl=30)[0] is (
+            RunOutcome.WAITING
+        )
+        payload = b"application/x-python-serialize;binary\n\x00\xff\x80 payload"
+        assert turns.wait_at_gate(follow_up, b"an older follow-up", 30) is True
+        assert turns.wait_at_gate(follow_up, payload, 30) is True  # the newer one replaces it
+        assert turns.wait_at_gate(run, b"its own gate", 30) is False  # nobody else holds it
+        assert runs.renew_runs([run], 30) == 2  # the lease and the gate: the waiter stays
+        assert runs.keep_runs([run], 30, set()) == [True]
+        stray = RunRef("gate:w", "owner-a", "0.0", "copy-a2", gated=True)
+        assert turns.end_run_in_turn(stray, 30, META, release=None)[1] is None
+        assert turns.end_run_in_turn(run, 30, META, release=None)[1] == payload
+        assert turns.end_run_in_turn(run, 30, META, release=None)[1] is None  # taken once
+        assert turns.wait_at_gate(follow_up, payload, 30) is False  # the gate is open
+        assert runs.claim_run(follow_up, 30, META, release=False, ttl=30)[0] is (
+            RunOutcome.BEGUN
+        )
+        assert turns.end_run_in_turn(follow_up, 30, META, release=None)[1] is None
+        plain = RunRef("gate:w2", "owner-c", "0.0", "copy-c")
+        assert runs.claim_run(plain, 30, META, release=False, ttl=30)[0] is RunOutcome.BEGUN
+        assert turns.end_run_in_turn(plain, 30, META, release=None) == (False, None)
+
+    def test_a_listing_racing_the_end_is_woken_exactly_once(
+        self, store_case: StoreCase
+    ) -> None:
+        """A run's end and a follow-up listing itself at its gate, started together, round
+        after round: exactly one of them wakes the follow-up each time (the end takes it
+        out, or the listing finds the gate open and the follow-up publishes itself), never
+        both and never neither; and the gate is open after each round."""
+        store = store_case.store
+        runs = records_of(store)
+        turns = gate_handoff(store)
+        assert turns is not None
+        for n in range(12):
+            key = f"gate:race:{n}"
+            run = RunRef(key, "owner-a", "0.0", f"copy-a{n}", gated=True)
+            assert runs.claim_run(run, 30, META, release=False, ttl=30)[0] is RunOutcome.BEGUN
+            follow_up = RunRef(key, "owner-b", "0.0", f"copy-b{n}", gated=True)
+            woken = _race_end_and_listing(turns, run, follow_up, ending_late=bool(n % 2))
+            assert woken == [b"follow-up"], (n, woken)
+            outcome, _ = runs.claim_run(follow_up, 30, META, release=False, ttl=30)
+            assert outcome is RunOutcome.BEGUN, (n, outcome)
+            # Nothing is left listed at the gate: the follow-up's own end wakes nobody.
+            assert turns.end_run_in_turn(follow_up, 30, META, release=None)[1] is None
 
     def test_concurrent_acquire_has_one_winner_per_key(self, store_case: StoreCase) -> None:
         """8 processes (threads for an in-process store) racing for 200 keys: one winner per key."""

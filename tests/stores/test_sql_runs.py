@@ -367,3 +367,39 @@ def test_done_policy_is_what_the_record_says(runs_store: SQLStore) -> None:
             )
         ).one()
     assert (row.owner, row.policy, bool(row.started)) == ("copy-1", DONE_POLICY, False)
+
+
+@pytest.mark.parametrize("store_fixture", [
+    pytest.param("store_sqlite", marks=pytest.mark.sqlite, id="sqlite"),
+    pytest.param("store_mysql", marks=pytest.mark.mysql, id="mysql"),
+])
+def test_a_gate_lock_opens_in_one_statement_when_nobody_waits(
+    store_fixture: str, request: pytest.FixtureRequest, recorder: Recorder
+) -> None:
+    """MySQL/MariaDB and SQLite (the gate a lock row): the end of a gated run that opens
+    its gate and takes its waiter (``end_run_in_turn``) sends what the end without a
+    handoff sends when nobody waits (the gate's release is the one DELETE that opens it
+    and finds nobody listed); a listed follow-up costs the opening a short transaction."""
+    case: StoreCase = request.getfixturevalue(store_fixture)
+    store = case.store
+    assert isinstance(store, SQLStore)
+    records = records_of(store)
+    assert isinstance(records, GatedRuns) and records.waiters is store
+    plain = RunRef("gate:plain", "owner-a", "0.0", "copy-a", gated=True)
+    handed = RunRef("gate:handed", "owner-a", "0.0", "copy-b", gated=True)
+    for run in (plain, handed):
+        assert records.claim_run(run, 30, META, release=False, ttl=30)[0] is RunOutcome.BEGUN
+    with recorder(store) as sent:
+        records.end_run(plain, 30, META, release=True)
+    without_handoff = list(sent)
+    with recorder(store) as sent:
+        assert records.end_run_in_turn(handed, 30, META, release=True) == (True, None)
+    assert len(sent) == len(without_handoff), (sent, without_handoff)
+    # A listed follow-up: the flag makes the one DELETE miss, and a transaction takes it.
+    run = RunRef("gate:listed", "owner-a", "0.0", "copy-c", gated=True)
+    assert records.claim_run(run, 30, META, release=False, ttl=30)[0] is RunOutcome.BEGUN
+    follow_up = RunRef("gate:listed", "owner-b", "0.0", "copy-d", gated=True)
+    assert records.wait_at_gate(follow_up, b"follow-up", 30) is True
+    with recorder(store) as sent:
+        assert records.end_run_in_turn(run, 30, META, release=True) == (True, b"follow-up")
+    assert any(statement.strip().upper().startswith(("BEGIN", "START")) for statement in sent)

@@ -48,6 +48,9 @@ __all__ = [
     "is_contention",
 ]
 
+#: The table of ``DedupGateWaiter`` (the follow-up waiting at a run gate).
+GATE_WAIT_TABLE = "celery_dedup_gate_wait"
+
 #: SQL for "now, as epoch seconds" by the database clock, per vendor.
 NOW_SQL: Mapping[str, str] = {
     "sqlite": "((julianday('now') - 2440587.5) * 86400.0)",
@@ -181,6 +184,9 @@ class LockQueries:
             f"{key} = %s AND {exp} > {self.now} AND {self.col['policy']} <> '{REVOKED_POLICY}'"
         )
         self.for_update = " FOR UPDATE" if connection.features.has_select_for_update else ""
+        #: the gate-wait table (``DedupGateWaiter``: the follow-up waiting at a run gate)
+        self.waits = quote(GATE_WAIT_TABLE)
+        self.payload = quote("payload")
 
     @cached_property
     def upsert_returns(self) -> bool:
@@ -504,8 +510,71 @@ class LockQueries:
             )
             return [LockRow.from_db(values) for values in cursor.fetchall()]
 
+    # -- run gate waiters (``GateWaiters``) ------------------------------------
+    #
+    # A gate is a lock row whose ``started`` flag (never set on a run record
+    # otherwise) says a follow-up is listed in the gate-wait table: the
+    # opening of a gate nobody waits at stays one DELETE.
+
+    def list_gate_waiter(self, gate: str, token: str, payload: str, life: float) -> bool:
+        """List ``payload`` (base64) at ``gate`` while another owner holds it: one
+        transaction locking the gate's row first (an opening waits for it, or it
+        finds the gate open and lists nothing)."""
+        key, exp = self.col["key"], self.col["expires_at"]
+        insert = (
+            f"INSERT INTO {self.waits} ({key}, {self.payload}, {exp}) "
+            f"VALUES (%s, %s, {self.now} + %s)"
+        )
+        if self.vendor == "mysql":
+            upsert = (
+                f"{insert} ON DUPLICATE KEY UPDATE {self.payload} = VALUES({self.payload}), "
+                f"{exp} = VALUES({exp})"
+            )
+        else:
+            upsert = (
+                f"{insert} ON CONFLICT ({key}) DO UPDATE SET "
+                f"{self.payload} = excluded.{self.payload}, {exp} = excluded.{exp}"
+            )
+        with self.transaction() as cursor:
+            row = self._rows(cursor, gate).get(gate)
+            if row is None or not row.live or row.owner == token:
+                return False
+            cursor.execute(upsert, [gate, payload, life])
+            cursor.execute(
+                f"UPDATE {self.table} SET {self.col['started']} = %s WHERE {key} = %s", [True, gate]
+            )
+            return True
+
+    def open_gate(self, gate: str, token: str) -> str | None:
+        """Release ``token``'s gate and take its waiter (base64): one DELETE when none is
+        listed, else a transaction locking the gate's row, then the waiter's."""
+        c = self.col
+        unlisted = (
+            f"DELETE FROM {self.table} WHERE {self.live_lock} AND {c['owner']} = %s "
+            f"AND {c['started']} = %s"
+        )
+        if self._rowcount(unlisted, [gate, token, False]):
+            return None
+        with self.transaction() as cursor:
+            row = self._rows(cursor, gate).get(gate)
+            if row is not None and row.live:
+                if row.owner != token:
+                    return None  # another run's gate: its waiter is its own
+                self._delete(cursor, gate)
+            cursor.execute(
+                f"SELECT {self.payload} FROM {self.waits} WHERE {c['key']} = %s "
+                f"AND {c['expires_at']} > {self.now}{self.for_update}",
+                [gate],
+            )
+            found = cursor.fetchone()
+            if found is None:
+                return None
+            cursor.execute(f"DELETE FROM {self.waits} WHERE {c['key']} = %s", [gate])
+            return str(found[0])
+
     def purge_expired(self, prefix: str) -> int:
-        """Delete expired locks under ``prefix`` and every expired revoked marker.
+        """Delete expired locks under ``prefix``, every expired revoked marker and gate
+        waiter.
 
         Returns how many locks went (markers are never counted).
         """
@@ -513,6 +582,7 @@ class LockQueries:
         starts, pattern = self._starts_with(prefix)
         expired = f"{c['expires_at']} <= {self.now}"
         self._rowcount(f"DELETE FROM {self.table} WHERE {expired} AND {self.is_record}", [])
+        self._rowcount(f"DELETE FROM {self.waits} WHERE {expired}", [])
         return self._rowcount(
             f"DELETE FROM {self.table} WHERE {starts} AND {expired} AND {self.is_lock}", [pattern]
         )

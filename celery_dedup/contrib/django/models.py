@@ -9,7 +9,7 @@ from django.utils.translation import gettext_lazy as _
 
 from .managers import CounterManager, LockManager
 
-__all__ = ["DedupCounter", "DedupLock"]
+__all__ = ["DedupCounter", "DedupGateWaiter", "DedupLock"]
 
 
 class DedupLock(models.Model):  # type: ignore[misc]
@@ -99,3 +99,26 @@ class DedupCounter(models.Model):  # type: ignore[misc]
 
     def __str__(self) -> str:
         return f"{self.task_name} {self.event}: {self.count}"
+
+
+class DedupGateWaiter(models.Model):  # type: ignore[misc]
+    """The ``keep_last`` follow-up waiting at a key's run gate (``GateWaiters``).
+
+    One row per gate with a waiter: the follow-up's message, published at
+    once by the worker whose run opens the gate. A newer follow-up replaces
+    the row; a row past ``expires_at`` is ignored (its message's deferred
+    copy came back on its own) and purged with expired locks.
+    """
+
+    key = models.CharField(_("gate key"), max_length=512, primary_key=True)
+    payload = models.TextField(_("message (base64)"))
+    expires_at = models.FloatField(_("expires at (epoch seconds)"))
+
+    class Meta:
+        db_table = "celery_dedup_gate_wait"
+        verbose_name = _("run gate waiter")
+        verbose_name_plural = _("run gate waiters")
+        indexes = (models.Index(fields=["expires_at"], name="celery_dedup_gate_wait_exp"),)
+
+    def __str__(self) -> str:
+        return str(self.key)
