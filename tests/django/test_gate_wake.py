@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
-from celery import Celery
+from celery import Celery, _state
 from celery.contrib.testing.worker import start_worker
 
 from celery_dedup import DedupTask, inspect_lock
@@ -33,7 +33,10 @@ GATE_WAIT = "deferred: the previous run of its key"
 
 @contextmanager
 def app_on(case: StoreCase) -> Iterator[Celery]:
-    """An app on the memory broker, its locks in the case's store."""
+    """An app on the memory broker, its locks in the case's store; the current and
+    default app restored afterwards (``start_worker`` makes its app both, and the
+    sample project's shared tasks follow the current app)."""
+    current, default = _state.get_current_app(), _state.default_app
     app = Celery("gate-wake-django", broker="memory://", backend="cache+memory://",
                  set_as_current=False)
     app.conf.update(
@@ -46,6 +49,8 @@ def app_on(case: StoreCase) -> Iterator[Celery]:
     finally:
         runtime_for(app).metrics.flush()
         app.close()
+        current.set_current()
+        _state.set_default_app(default)
 
 
 def test_on_the_django_db_store(
