@@ -36,7 +36,7 @@ from .signals import task_skipped
 if TYPE_CHECKING:
     from .admission.state import Admission
 
-__all__ = ["ATTRIBUTE_PREFIX", "active", "decided", "publishing"]
+__all__ = ["ATTRIBUTE_PREFIX", "active", "decided", "failed", "publishing"]
 
 #: every attribute celery-dedup sets starts with this
 ATTRIBUTE_PREFIX: Final = "celery_dedup."
@@ -94,11 +94,15 @@ def publishing(adm: Admission) -> None:
     if not active():
         return
     previous = adm.previous.task_id if adm.previous is not None else None
+    cancelled = adm.cancelled.task_id if adm.cancelled is not None else None
     outcome = "deferred" if adm.notes.get("rate_place") is not None else "published"
     pending = _waiting()
     # An observed call (``dedup_mode="observe"``) says what enforcing would have done.
     attributes = _attributes(
-        adm, outcome, replaced_task_id=previous, would=adm.notes.get("observed")
+        adm, outcome, replaced_task_id=previous, cancelled_task_id=cancelled,
+        would=adm.notes.get("observed"),
+        # published without a lock: the store did not answer (``dedup_fallback``)
+        fallback=adm.notes.get("fallback"),
     )
     pending[adm.task_id] = (adm.task, attributes)
     while len(pending) > _PENDING_MAX:
@@ -117,6 +121,39 @@ def decided(adm: Admission, outcome: str, **extra: Any) -> None:
         f"apply_async/{adm.task.name}", kind=trace.SpanKind.PRODUCER, attributes=attributes
     ):
         pass
+
+
+def failed(adm: Admission, error: BaseException) -> None:
+    """A publish that raised: no span may say ``published``; one says ``failed``, with the error.
+
+    The instrumentor ends its publish span in ``after_task_publish``, which
+    a failed publish never sends: its span would stay open, and current in
+    this thread's context. It is ended here as the instrumentor's own
+    activation would end it on an error, and detached.
+    """
+    if not active():
+        return
+    from opentelemetry import trace
+    from opentelemetry.instrumentation.celery import utils
+
+    pending = getattr(_pending, "calls", None)
+    if pending is not None:
+        pending.pop(adm.task_id, None)
+    attributes = _attributes(adm, "failed", error=type(error).__name__)
+    found = utils.retrieve_context(adm.task, adm.task_id, is_publish=True)
+    if found is not None:
+        span, activation, _ = found
+        span.set_attributes(attributes)
+        utils.detach_context(adm.task, adm.task_id, is_publish=True)
+        if activation is not None:
+            activation.__exit__(type(error), error, error.__traceback__)
+        return
+    tracer = trace.get_tracer(TRACER_NAME)
+    with tracer.start_as_current_span(
+        f"apply_async/{adm.task.name}", kind=trace.SpanKind.PRODUCER, attributes=attributes,
+        record_exception=False, set_status_on_exception=False,
+    ) as span:
+        span.set_status(trace.Status(trace.StatusCode.ERROR, type(error).__name__))
 
 
 def _waiting() -> OrderedDict[str, tuple[Any, dict[str, Any]]]:
