@@ -213,12 +213,21 @@ def _annotate_skip(
     reason: str = "",
     **_: Any,
 ) -> None:
-    """``task_skipped``: the worker span says the body did not run, and why."""
+    """``task_skipped``: the worker span says the body did not run, and why.
+
+    The span is this thread's current run span of the task, the one the
+    instrumentor opened for this very delivery: its registry keeps one run
+    span per message id, so two deliveries of one id running at once (a
+    deferral's copy and a redelivery, on a thread pool) would put one's
+    skip on the other's span, a run that ran saying it did not.
+    """
     if sender is None or not active():
         return
     from opentelemetry import trace
 
-    span = _publish_span(sender, str(task_id), False) or trace.get_current_span()
+    span = trace.get_current_span()
+    if getattr(span, "name", None) != f"run/{sender.name}":
+        span = _publish_span(sender, str(task_id), False) or span
     if not span.is_recording():
         return
     outcome = "deferred" if reason.startswith("deferred") else "skipped"
