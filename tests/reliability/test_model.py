@@ -643,10 +643,13 @@ def test_an_observing_message_may_run_while_a_newer_call_holds_its_key() -> None
     assert Kind.DUPLICATE in kinds(Trace(calls=enforced, events=events))
 
 
-def span(name: str, message: str, outcome: str, pid: int = 1, **attributes: Any) -> SpanRecord:
-    """A recorded span of a traced process saying ``outcome`` about ``message``."""
+def span(
+    name: str, message: str, outcome: str, pid: int = 1, t: float = 0.005, **attributes: Any
+) -> SpanRecord:
+    """A recorded span of a traced process saying ``outcome`` about ``message``, ended at ``t``
+    (within a call made at 0.0, as ``published`` and ``suppressed`` make them)."""
     return SpanRecord(
-        name=name, message_id=message, pid=pid, t=0.0,
+        name=name, message_id=message, pid=pid, t=t,
         attributes={"outcome": outcome, "key_digest": KEY.rsplit(":", 1)[-1], **attributes},
     )  # fmt: skip
 
@@ -669,11 +672,31 @@ def test_spans_that_agree_with_the_trace_have_no_finding() -> None:
         events=[*run("ta", "A", 1.0), skipped],
         spans=[
             span("apply_async/rel.work", "A", "published"),
-            span("apply_async/rel.work", "", "duplicate", holder_id="A"),
+            span("apply_async/rel.work", "", "duplicate", t=0.105, holder_id="A"),
             skip_span("C", "held by another publish"),
         ],
     )
     assert Kind.SPAN not in kinds(trace)
+
+
+def test_each_traced_call_takes_the_span_made_during_it() -> None:
+    """Calls answered alike (duplicates of one holder, one deterministic id published
+    twice) take the span that ended during each; an untraced process's call takes none."""
+    first = published(0.0, "A", "ta", traced=True)
+    again = published(1.0, "A", "tb", traced=True)  # (the same id, published again)
+    untraced, traced = suppressed(0.5, "A"), replace(suppressed(0.6, "A"), traced=True)
+    trace = Trace(
+        calls=[first, untraced, again, traced],
+        events=[*run("ta", "A", 0.2, 0.1), *run("tb", "A", 1.2, 0.1)],
+        spans=[
+            span("apply_async/rel.work", "A", "published"),
+            span("apply_async/rel.work", "A", "published", t=1.005),
+            span("apply_async/rel.work", "", "duplicate", t=0.605, holder_id="A"),
+        ],
+    )
+    assert Kind.SPAN not in kinds(trace)
+    late = replace(trace, spans=[*trace.spans[:2], replace(trace.spans[2], t=0.505)])
+    assert Kind.SPAN in kinds(late)  # the traced call's span is not the untraced call's
 
 
 @pytest.mark.parametrize("disagreement", ["says duplicate", "no span", "other reason",
