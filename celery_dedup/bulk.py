@@ -32,6 +32,7 @@ from typing import Any
 
 from celery.canvas import Signature
 
+from . import otel
 from .admission import Admission, admit, effects
 from .admission.canvas import in_canvas, takes_over
 from .admission.duplicate import answer as duplicate_answer
@@ -327,9 +328,23 @@ def _follow(item: _Item, first: _Item) -> ItemOutcome:
     adm, done = item.adm, first.outcome
     assert adm is not None and done is not None
     if done.status in (ItemStatus.REFUSED, ItemStatus.FAILED):
+        _traced_follower(adm, done.error)
         return ItemOutcome(item.index, done.status, error=done.error)
     holder = _holder_of(first, done)
     return _duplicate(item.index, adm, holder, owner_token(adm))
+
+
+def _traced_follower(adm: Admission, error: BaseException | None) -> None:
+    """An item reported with its first item's refusal says so on a span of its own (``otel``):
+    every call of a bulk call has its decision on the trace."""
+    if isinstance(error, DuplicateTaskError):
+        otel.decided(adm, "duplicate", holder_id=error.existing_task_id)
+    elif isinstance(error, RateLimited):
+        otel.decided(adm, "refused", retry_after=round(error.retry_after, 3))
+    elif isinstance(error, DeduplicationUnavailable):
+        otel.decided(adm, "unavailable")
+    elif error is not None:
+        otel.decided(adm, "failed", error=type(error).__name__)
 
 
 def _holder_of(first: _Item, done: ItemOutcome) -> Lock:

@@ -36,7 +36,7 @@ from .signals import task_skipped
 if TYPE_CHECKING:
     from .admission.state import Admission
 
-__all__ = ["ATTRIBUTE_PREFIX", "active", "decided", "publishing"]
+__all__ = ["ATTRIBUTE_PREFIX", "active", "decided", "failed", "publishing"]
 
 #: every attribute celery-dedup sets starts with this
 ATTRIBUTE_PREFIX: Final = "celery_dedup."
@@ -94,11 +94,15 @@ def publishing(adm: Admission) -> None:
     if not active():
         return
     previous = adm.previous.task_id if adm.previous is not None else None
+    cancelled = adm.cancelled.task_id if adm.cancelled is not None else None
     outcome = "deferred" if adm.notes.get("rate_place") is not None else "published"
     pending = _waiting()
     # An observed call (``dedup_mode="observe"``) says what enforcing would have done.
     attributes = _attributes(
-        adm, outcome, replaced_task_id=previous, would=adm.notes.get("observed")
+        adm, outcome, replaced_task_id=previous, cancelled_task_id=cancelled,
+        would=adm.notes.get("observed"),
+        # published without a lock: the store did not answer (``dedup_fallback``)
+        fallback=adm.notes.get("fallback"),
     )
     pending[adm.task_id] = (adm.task, attributes)
     while len(pending) > _PENDING_MAX:
@@ -117,6 +121,39 @@ def decided(adm: Admission, outcome: str, **extra: Any) -> None:
         f"apply_async/{adm.task.name}", kind=trace.SpanKind.PRODUCER, attributes=attributes
     ):
         pass
+
+
+def failed(adm: Admission, error: BaseException) -> None:
+    """A publish that raised: no span may say ``published``; one says ``failed``, with the error.
+
+    The instrumentor ends its publish span in ``after_task_publish``, which
+    a failed publish never sends: its span would stay open, and current in
+    this thread's context. It is ended here as the instrumentor's own
+    activation would end it on an error, and detached.
+    """
+    if not active():
+        return
+    from opentelemetry import trace
+    from opentelemetry.instrumentation.celery import utils
+
+    pending = getattr(_pending, "calls", None)
+    if pending is not None:
+        pending.pop(adm.task_id, None)
+    attributes = _attributes(adm, "failed", error=type(error).__name__)
+    found = utils.retrieve_context(adm.task, adm.task_id, is_publish=True)
+    if found is not None:
+        span, activation, _ = found
+        span.set_attributes(attributes)
+        utils.detach_context(adm.task, adm.task_id, is_publish=True)
+        if activation is not None:
+            activation.__exit__(type(error), error, error.__traceback__)
+        return
+    tracer = trace.get_tracer(TRACER_NAME)
+    with tracer.start_as_current_span(
+        f"apply_async/{adm.task.name}", kind=trace.SpanKind.PRODUCER, attributes=attributes,
+        record_exception=False, set_status_on_exception=False,
+    ) as span:
+        span.set_status(trace.Status(trace.StatusCode.ERROR, type(error).__name__))
 
 
 def _waiting() -> OrderedDict[str, tuple[Any, dict[str, Any]]]:
@@ -176,12 +213,21 @@ def _annotate_skip(
     reason: str = "",
     **_: Any,
 ) -> None:
-    """``task_skipped``: the worker span says the body did not run, and why."""
+    """``task_skipped``: the worker span says the body did not run, and why.
+
+    The span is this thread's current run span of the task, the one the
+    instrumentor opened for this very delivery: its registry keeps one run
+    span per message id, so two deliveries of one id running at once (a
+    deferral's copy and a redelivery, on a thread pool) would put one's
+    skip on the other's span, a run that ran saying it did not.
+    """
     if sender is None or not active():
         return
     from opentelemetry import trace
 
-    span = _publish_span(sender, str(task_id), False) or trace.get_current_span()
+    span = trace.get_current_span()
+    if getattr(span, "name", None) != f"run/{sender.name}":
+        span = _publish_span(sender, str(task_id), False) or span
     if not span.is_recording():
         return
     outcome = "deferred" if reason.startswith("deferred") else "skipped"

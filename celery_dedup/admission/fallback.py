@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from .. import otel
 from ..exceptions import DeduplicationUnavailable, StoreError
 from .canvas import must_not_raise
 from .state import Admission
@@ -26,10 +27,14 @@ def fall_back(adm: Admission, error: StoreError | None) -> None:
         if adm.task.app.current_worker_task is None and not must_not_raise(
             adm.task, adm.options
         ):
+            otel.decided(adm, "unavailable", error=type(error).__name__ if error else None)
             raise
+        adm.notes["fallback"] = "closed"
         logger.warning(
             "celery-dedup: %s published without a lock from inside a worker "
             "(dedup_fallback='closed' never fails the parent task): %s",
             adm.task.name,
             exc,
         )
+    else:
+        adm.notes["fallback"] = "open"

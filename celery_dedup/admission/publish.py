@@ -39,8 +39,10 @@ class PublishStep:
             else:
                 with coalesce.linked(task.backend, follows, adm.task_id):
                     adm.result = adm.publish(adm.task_id, adm.header)
-        except BaseException:
+        except BaseException as exc:
             adm.body_started = worker.eager_body_started(owner)
+            if not adm.body_started:
+                otel.failed(adm, exc)
             raise
         finally:
             worker.eager_body_started(owner)

@@ -10,6 +10,14 @@ leaves nothing behind. Every case counts the messages on the broker and
 reads the store: no lock, window entry or revoked marker of a refused or
 failed call, rate counts exact, no member lost, no worker-side publish raising.
 
+Every case runs under OpenTelemetry's Celery instrumentation, and its trace
+must tell the same story (``_decisions``, ``celery_dedup/otel.py``): one
+span per call, named ``apply_async/<task>``, whose ``celery_dedup.outcome``
+is what the case saw (``published``, ``deferred`` for a delayed rate
+refusal, ``duplicate`` naming its holder, ``refused``, ``unavailable``,
+``failed``), one ``published``/``deferred`` span per message on the
+broker, an observed call's ``would``, the key as its digest only.
+
 Store answers: ok and duplicate (every test), refused (a full rate window),
 error (a store on a closed port: it raises ``StoreUnavailable``, the
 fallback decides) and broker down (the publish itself fails: a broker on a
@@ -38,13 +46,16 @@ Pruned, because they are provably the same code path:
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from celery import Celery, chain
+from celery import _state as celery_state
 from celery._state import _task_stack
 from kombu.exceptions import OperationalError
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from celery_dedup import (
     DeduplicationUnavailable,
@@ -59,6 +70,7 @@ from celery_dedup.limits import rate_store_key
 from celery_dedup.runtime import runtime_for
 from celery_dedup.stores.base import RateSupport, revoked_marker_key
 from tests.fixtures._servers import free_port
+from tests.fixtures.otel import dedup_attributes, instrumented, message_id
 
 from .conftest import AppFactory
 
@@ -91,8 +103,50 @@ def store_conf(request: pytest.FixtureRequest) -> dict[str, Any]:
     return {"dedup_store": case.url}
 
 
+@pytest.fixture(scope="module")
+def traced() -> Iterator[InMemorySpanExporter]:
+    """The Celery instrumentation for the whole matrix (once: it connects Celery's signals)."""
+    with instrumented() as exporter:
+        yield exporter
+
+
+@pytest.fixture(autouse=True)
+def spans(traced: InMemorySpanExporter) -> Iterator[InMemorySpanExporter]:
+    """The case's spans (the exporter cleared); the current app restored afterwards (the
+    instrumentation looks a published task up in the current app, ``_app`` sets it)."""
+    previous = celery_state.default_app, celery_state._tls.current_app
+    traced.clear()
+    yield traced
+    celery_state.default_app, celery_state._tls.current_app = previous
+
+
 def _app(app_factory: AppFactory, conf: dict[str, Any]) -> Celery:
-    return app_factory(f"adm{next(_names)}", dedup_send_events=False, **conf)
+    app = app_factory(f"adm{next(_names)}", dedup_send_events=False, **conf)
+    app.set_current()
+    return app
+
+
+def _decisions(spans: InMemorySpanExporter, job: Any) -> list[dict[str, Any]]:
+    """What the trace says of ``job``'s calls, in order: each span's ``celery_dedup.*``
+    attributes and, on a publish span, the message's ``id``.
+
+    Every such span names a key by its digest only (never the raw key, never
+    the arguments).
+    """
+    decisions = []
+    for span in spans.get_finished_spans():
+        if span.name != f"apply_async/{job.name}":
+            continue
+        attributes = dedup_attributes(span)
+        digest = attributes.get("key_digest")
+        assert isinstance(digest, str) and ":" not in digest, attributes
+        assert not any("celery-dedup:" in str(value) for value in attributes.values())
+        decisions.append({**attributes, "id": message_id(span)})
+    return decisions
+
+
+def _digest(job: Any, n: int) -> str:
+    return _key(job, n).rsplit(":", 1)[-1]
 
 
 def _task(app: Celery, policy: str, limit: str, ids: str, mode: str = "enforce") -> Any:
@@ -175,6 +229,15 @@ def _queued(app: Celery) -> int:
         return int(client.llen(app.conf.task_default_queue))
 
 
+def _etas(app: Celery) -> list[tuple[str, str | None]]:
+    """The id and ETA of every message on the broker, oldest first (kombu pushes left)."""
+    with app.connection_for_write() as conn:
+        client = conn.default_channel.client
+        raw = client.lrange(app.conf.task_default_queue, 0, -1)
+    headers = [json.loads(body)["headers"] for body in reversed(raw)]
+    return [(h["id"], h.get("eta")) for h in headers]
+
+
 def _window(app: Celery, job: Any) -> int:
     store = runtime_for(app).store
     assert isinstance(store, RateSupport)
@@ -205,8 +268,8 @@ def _cases() -> Iterator[Any]:
 
 @pytest.mark.parametrize(("policy", "limit", "path", "ids"), list(_cases()))
 def test_refused_call_leaves_nothing_and_loses_nothing(
-    app_factory: AppFactory, store_conf: dict[str, Any], policy: str, limit: str, path: str,
-    ids: str,
+    app_factory: AppFactory, store_conf: dict[str, Any], spans: InMemorySpanExporter,
+    policy: str, limit: str, path: str, ids: str,
 ) -> None:
     """A call refused by its rate leaves no lock, window entry or revoked marker; a protected
     path is published (delayed) instead of refused or raising; counts are exact."""
@@ -240,12 +303,24 @@ def test_refused_call_leaves_nothing_and_loses_nothing(
     assert _queued(app) == published
     if _rated(limit):
         assert _window(app, job) == published  # exact: one entry per message
+    # The trace: the first call published; the other published, delayed or refused.
+    first_span, other_span = _decisions(spans, job)
+    assert first_span["outcome"] == "published" and first_span["key_digest"] == _digest(job, 1)
+    assert other_span["key_digest"] == _digest(job, 2)
+    if published == 1:
+        assert other_span["outcome"] == "refused" and other_span["id"] is None
+        assert 0 < other_span["retry_after"] <= 3600
+    else:
+        assert other_span["outcome"] == ("deferred" if _rated(limit) else "published")
+        assert other_span["id"] is not None and other_span["id"] != first_span["id"]
+    if path != "chain_first":  # (a chain answers with its last step)
+        assert first_span["id"] == first.id
 
 
 @pytest.mark.parametrize(("policy", "limit", "path", "ids"), list(_cases()))
 def test_observed_calls_are_published_and_leave_the_store_as_enforcing(
-    app_factory: AppFactory, store_conf: dict[str, Any], policy: str, limit: str, path: str,
-    ids: str,
+    app_factory: AppFactory, store_conf: dict[str, Any], spans: InMemorySpanExporter,
+    policy: str, limit: str, path: str, ids: str,
 ) -> None:
     """``dedup_mode="observe"``: an identical call and a call over the rate are published
     (never raising), counted once each where enforcing would refuse or take over; the
@@ -282,11 +357,11 @@ def test_observed_calls_are_published_and_leave_the_store_as_enforcing(
         assert seen[-1]["would"] == "rate_limit" and seen[-1]["key"] == _key(job, 2)
         assert inspect_lock(_key(job, 2), app=app) is None
         assert _window(app, job) == 1  # only the first call is in the window
+    # As enforcing: a take-over over the rate is refused by the rate first.
+    takes = policy in ("replace", "keep_last") or (
+        policy == "cancel_running" and path != "chain_first"
+    )
     if not kept:
-        # As enforcing: a take-over over the rate is refused by the rate first.
-        takes = policy in ("replace", "keep_last") or (
-            policy == "cancel_running" and path != "chain_first"
-        )
         expected = "deduplicate"
         if takes:
             expected = "rate_limit" if over_rate else (
@@ -296,12 +371,33 @@ def test_observed_calls_are_published_and_leave_the_store_as_enforcing(
         assert seen[0]["existing_task_id"] == (
             None if expected == "rate_limit" else first_lock.task_id
         )
+    # The trace: three publish spans; an observed call's says what enforcing would have done.
+    decisions = _decisions(spans, job)
+    # Published, or delayed (``deferred``) where the canvas rules delay a protected call
+    # over the rate: as the message on the broker says (its ETA).
+    messages = _etas(app)
+    assert [d["id"] for d in decisions] == [message for message, _ in messages]
+    assert [d["outcome"] for d in decisions] == [
+        "deferred" if eta else "published" for _, eta in messages
+    ]
+    assert decisions[0]["outcome"] == "published"
+    if not (_rated(limit) and _protected(path)):
+        assert [d["outcome"] for d in decisions] == ["published"] * 3
+    assert [d["key_digest"] for d in decisions] == [_digest(job, n) for n in (1, 1, 2)]
+    assert [d.get("would") for d in decisions] == [
+        None,
+        None if kept else seen[0]["would"],
+        "rate_limit" if over_rate else None,
+    ]
+    # Nothing taken over.
+    assert not any("replaced_task_id" in d or "cancelled_task_id" in d for d in decisions)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("limit", LIMITS)
 def test_duplicate_follows_on_duplicate_not_the_rate(
-    app_factory: AppFactory, store_conf: dict[str, Any], policy: str, limit: str
+    app_factory: AppFactory, store_conf: dict[str, Any], spans: InMemorySpanExporter,
+    policy: str, limit: str,
 ) -> None:
     """An identical call is answered per ``on_duplicate`` even when its rate window is full;
     a take-over refused by the rate leaves the holder holding, unrevoked."""
@@ -332,11 +428,24 @@ def test_duplicate_follows_on_duplicate_not_the_rate(
     assert _queued(app) == expected
     if _rated(limit):
         assert _window(app, job) == 1
+    holder, again_span = _decisions(spans, job)
+    assert holder["outcome"] == "published" and holder["id"] == first.id
+    assert again_span["key_digest"] == holder["key_digest"] == _digest(job, 1)
+    if not takes_over:
+        assert again_span["outcome"] == "duplicate" and again_span["id"] is None
+        assert again_span["holder_id"] == first.id and again_span["policy"] == policy
+    elif _rated(limit):
+        assert again_span["outcome"] == "refused" and "holder_id" not in again_span
+    else:
+        assert again_span["outcome"] == "published" and again_span["id"] != first.id
+        took = "cancelled_task_id" if policy == "cancel_running" else "replaced_task_id"
+        assert again_span[took] == first.id
 
 
 @pytest.mark.parametrize("limit", LIMITS)
 def test_failed_publish_leaves_nothing(
-    app_factory: AppFactory, store_conf: dict[str, Any], limit: str
+    app_factory: AppFactory, store_conf: dict[str, Any], spans: InMemorySpanExporter,
+    limit: str,
 ) -> None:
     """A publish that raises gives back its lock and its window entry: the next call publishes."""
     app = _app(app_factory, store_conf)
@@ -361,12 +470,17 @@ def test_failed_publish_leaves_nothing(
         assert _window(app, job) == 0
     result = job.delay("u", 1)
     assert result.deduplicated is False and _queued(app) == 1
+    # The trace: the failed call says so (no span claims it published), then the publish.
+    failed, published = _decisions(spans, job)
+    assert failed["outcome"] == "failed" and failed["error"] == "Boom"
+    assert published["outcome"] == "published" and published["id"] == result.id
 
 
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("limit", ("none", "rate"))
 def test_duplicate_chain_is_never_dropped_silently(
-    app_factory: AppFactory, store_conf: dict[str, Any], policy: str, limit: str
+    app_factory: AppFactory, store_conf: dict[str, Any], spans: InMemorySpanExporter,
+    policy: str, limit: str,
 ) -> None:
     """A chain whose first step is held: ``replace``/``keep_last`` publish it (taking the key
     over), every other policy raises ``DuplicateTaskError`` (nothing could stand in for the
@@ -383,10 +497,17 @@ def test_duplicate_chain_is_never_dropped_silently(
         assert _queued(app) == 2
         taken = inspect_lock(holder.deduplication_key, app=app)
         assert taken is not None and taken.owner != lock.owner
+        _, step = _decisions(spans, job)
+        assert step["outcome"] == "published" and step["replaced_task_id"] == holder.id
         return
     expected = RateLimited if policy in ("replace", "keep_last") else DuplicateTaskError
     with pytest.raises(expected):
         flow.apply_async()
+    _, step = _decisions(spans, job)
+    if expected is RateLimited:
+        assert step["outcome"] == "refused"
+    else:
+        assert step["outcome"] == "duplicate" and step["holder_id"] == holder.id
     assert _queued(app) == 1
     after = inspect_lock(holder.deduplication_key, app=app)
     assert after is not None and after.owner == lock.owner
@@ -401,7 +522,8 @@ def test_duplicate_chain_is_never_dropped_silently(
 @pytest.mark.parametrize("limit", ("none", "rate", "rate_callable"))
 @pytest.mark.parametrize("ids", IDS)
 def test_eager_runs_admitted_bodies_once(
-    app_factory: AppFactory, store_conf: dict[str, Any], policy: str, limit: str, ids: str
+    app_factory: AppFactory, store_conf: dict[str, Any], spans: InMemorySpanExporter,
+    policy: str, limit: str, ids: str,
 ) -> None:
     """``task_always_eager`` goes through the same admission: an admitted call's body runs
     once in the caller and releases its lock; a call over the rate raises before its body,
@@ -424,6 +546,9 @@ def test_eager_runs_admitted_bodies_once(
         assert eager_runs == [(job.name, 1), (job.name, 2)]
         assert inspect_lock(_key(job, 2), app=app) is None
     assert _queued(app) == 0
+    # The trace: an eager call publishes no message (no publish span); a refusal says so.
+    decisions = _decisions(spans, job)
+    assert [d["outcome"] for d in decisions] == (["refused"] if _rated(limit) else [])
 
 
 ERROR_PATHS = ("delay", "group_member", "worker_side", "per_item")
@@ -446,7 +571,8 @@ def dead_store(request: pytest.FixtureRequest) -> str:
 @pytest.mark.parametrize("path", ERROR_PATHS)
 @pytest.mark.parametrize("fallback", ("open", "closed"))
 def test_store_error_follows_the_fallback(
-    app_factory: AppFactory, dead_store: str, policy: str, limit: str, path: str, fallback: str
+    app_factory: AppFactory, dead_store: str, spans: InMemorySpanExporter, policy: str,
+    limit: str, path: str, fallback: str,
 ) -> None:
     """A store that does not answer: ``open`` publishes without a lock, ``closed`` raises
     ``DeduplicationUnavailable`` before publishing, except from a worker (published: the
@@ -457,19 +583,27 @@ def test_store_error_follows_the_fallback(
         with pytest.raises(DeduplicationUnavailable):
             _call(app, job, path, "random", 1)
         assert _queued(app) == 0
+        (refusal,) = _decisions(spans, job)
+        assert refusal["outcome"] == "unavailable" and refusal["id"] is None
+        assert refusal["error"] == "StoreUnavailable"
         return
     result = _call(app, job, path, "random", 1)
     assert getattr(result, "deduplicated", False) is False
     again = _call(app, job, path, "random", 1)  # nothing could tell it is a duplicate
     assert getattr(again, "deduplicated", False) is False
     assert _queued(app) == 2
+    # The trace: both published, each saying it went without a lock.
+    decisions = _decisions(spans, job)
+    assert [(d["outcome"], d["fallback"]) for d in decisions] == [("published", fallback)] * 2
+    assert [d["id"] for d in decisions] == [result.id, again.id]
 
 
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("limit", ("none", "rate"))
 @pytest.mark.parametrize("path", ERROR_PATHS)
 def test_broker_down_leaves_nothing(
-    app_factory: AppFactory, store_conf: dict[str, Any], policy: str, limit: str, path: str
+    app_factory: AppFactory, store_conf: dict[str, Any], spans: InMemorySpanExporter,
+    policy: str, limit: str, path: str,
 ) -> None:
     """The broker is down (a closed port): a call that would publish raises the broker's
     error, as a plain task's call does, and leaves no lock, no window entry and no revoked
@@ -495,6 +629,7 @@ def test_broker_down_leaves_nothing(
     assert lock is not None
     store = runtime_for(up).store
     assert store is not None
+    down.set_current()  # (the instrumentation looks the task up in the current app)
 
     # Different arguments: it must publish, and the broker is down.
     refused = limit == "rate" and not _protected(path)
@@ -508,6 +643,7 @@ def test_broker_down_leaves_nothing(
     # (never suppressed) or a take-over must publish, and its publish fails.
     takes_over = policy in ("replace", "keep_last", "cancel_running")
     if path != "group_member" and not takes_over:
+        same = "duplicate"
         if policy == "raise" and path in RAISING:
             with pytest.raises(DuplicateTaskError):
                 _call(down, job, path, "random", 1)
@@ -515,11 +651,23 @@ def test_broker_down_leaves_nothing(
             again = _call(down, job, path, "random", 1)
             assert again.deduplicated is True and again.id == holder.id
     elif path in RAISING and limit == "rate":
+        same = "refused"
         with pytest.raises(RateLimited):  # the take-over is a new publish: over the rate
             _call(down, job, path, "random", 1)
     else:
+        same = "failed"
         with pytest.raises(OperationalError):
             _call(down, job, path, "random", 1)
+    # The trace: only the holder's publish says published; a failed publish says failed.
+    holder_span, other, again_span = _decisions(spans, job)
+    assert holder_span["outcome"] == "published" and holder_span["id"] == holder.id
+    assert other["outcome"] == ("refused" if refused else "failed")
+    assert again_span["outcome"] == same
+    for decision in (other, again_span):
+        if decision["outcome"] == "failed":
+            assert decision["error"] == "OperationalError"
+        if decision["outcome"] == "duplicate":
+            assert decision["holder_id"] == holder.id
     after = inspect_lock(holder.deduplication_key, app=up)
     assert after is not None and after.owner == lock.owner
     assert store.get(revoked_marker_key(holder.deduplication_key, lock.owner)) is None

@@ -35,6 +35,19 @@ worker holds nothing (no message reserved, scheduled, running or unacked)
 and each parametrized test asserts one case exactly: the recorded runs,
 the results, the store (no lock left), the concurrency never exceeded.
 
+Every case runs under OpenTelemetry's Celery instrumentation (the session's
+provider, ``tests/fixtures/otel.py``; the exporter read once, when the
+worker is idle), and its trace must tell the same story (``_spans_agree``):
+each publish of the case's calls, from the test or from a worker (a chain's
+next step, a body's publishes, a retry), has its ``apply_async/<task>`` span
+saying ``published`` (``deferred`` for a rate-delayed one), ``duplicate``
+naming its holder, never ``refused``/``failed``/``unavailable``; every
+``run/<task>`` span whose body ran (the body marks its span) carries no
+``celery_dedup.skipped``/``celery_dedup.deferred`` event, and every one
+whose body did not run carries exactly one, with the reason this case
+allows (the ``send_task`` copy: held by its call; a ``concurrency_limit``
+deferral; a replaced holder), as the span's own ``celery_dedup.outcome``.
+
 Pruned, as the same code path: the id dimension runs on ``worker_side``
 only (on the other paths Celery freezes the ids before ``apply_async``, so
 ``deterministic_id`` and a caller's id never reach admission); the rate
@@ -46,8 +59,10 @@ from __future__ import annotations
 import gc
 import itertools
 import json
+import threading
 import time
-from collections.abc import Iterator
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,10 +70,16 @@ import pytest
 from celery import Task, chain, chord, states
 from celery.contrib.testing.worker import start_worker
 from celery.result import AsyncResult
+from celery.signals import task_postrun, task_prerun
 from celery.worker import state as worker_state
+from opentelemetry import trace
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from celery_dedup import DedupTask, inspect_lock
+from celery_dedup import DedupTask, dedup_key_for, inspect_lock, otel
+from celery_dedup.limits import concurrency_store_key
 from celery_dedup.runtime import runtime_for
+from tests.fixtures.otel import dedup_attributes, instrumented, message_id
 from tests.fixtures.redis import RedisServer
 
 from .conftest import make_app, wait_until
@@ -77,6 +98,8 @@ FAIL_UNIQUE_FOR = 3600
 #: seconds the ``send_task`` path's call holds its key before it runs
 SEND_TASK_HOLD = 30
 IDS = ("random", "deterministic", "caller")
+#: the attribute a body sets on its run span (its user): the body ran in that span
+RAN = "admw.ran"
 
 
 class FlaskTask(Task):  # type: ignore[type-arg]
@@ -138,6 +161,29 @@ def _cases() -> list[Case]:
 CASES = _cases()
 
 
+class Deliveries:
+    """Each message id's deliveries (``task_prerun``), and the ids two deliveries of which
+    ran at once (the thread pool): the instrumentation's run span of such a delivery may be
+    ended by the other's ``task_postrun``, or never end."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.count: Counter[str] = Counter()
+        self.active: Counter[str] = Counter()
+        self.overlapped: set[str] = set()
+
+    def prerun(self, task_id: str = "", **_: Any) -> None:
+        with self.lock:
+            if self.active[task_id]:
+                self.overlapped.add(task_id)
+            self.active[task_id] += 1
+            self.count[task_id] += 1
+
+    def postrun(self, task_id: str = "", **_: Any) -> None:
+        with self.lock:
+            self.active[task_id] -= 1
+
+
 class Lab:
     """The shared app, its tasks and worker, and what the bodies recorded."""
 
@@ -151,6 +197,10 @@ class Lab:
             dedup_send_events=False,
         )
         self.jobs: dict[tuple[str, str, str], Any] = {}
+        self.spans = Spans(())
+        self.deliveries = Deliveries()
+        #: bodies run, by message id
+        self.bodies: Counter[str] = Counter()
         for base, policy, limit in itertools.product(BASES, POLICIES, LIMITS):
             self.jobs[base, policy, limit] = self._job(base, policy, limit)
         runs = self.runs
@@ -195,7 +245,7 @@ class Lab:
             options["concurrency_key"] = _user_of if per_call else "{user}"
             options["concurrency_backoff"] = 0.2
         name = f"admw.{base}.{policy}.{limit}"
-        runs = self.runs
+        runs, bodies, lock = self.runs, self.bodies, self.deliveries.lock
 
         @self.app.task(
             base=FlaskDedupTask if base == "flask" else DedupTask,
@@ -207,6 +257,10 @@ class Lab:
             attempt = int(self.request.retries or 0)
             active = f"active:{name}:{user}"
             runs.rpush(f"conc:{name}:{user}", runs.incr(active))
+            # The run span (the instrumentation's, current in the body): its body ran.
+            trace.get_current_span().set_attribute(RAN, user)
+            with lock:
+                bodies[self.request.id] += 1
             try:
                 runs.rpush(f"runs:{name}:{user}", json.dumps([n, attempt]))
                 fence = getattr(self.request, "dedup_fence", None)  # None: a run with no lock
@@ -272,11 +326,45 @@ class Lab:
         )
 
 
+class Spans:
+    """The module's finished spans (read once), by what a case looks them up by."""
+
+    def __init__(self, spans: Iterable[ReadableSpan]) -> None:
+        #: ``apply_async/<task>`` spans carrying a decision, by task and key digest (a
+        #: digest is of the key's text: the same ``deduplication_key`` or concurrency
+        #: key of two tasks has one)
+        self.decisions: dict[tuple[str, str], list[ReadableSpan]] = defaultdict(list)
+        #: ``run/<task>`` spans, by message id
+        self.runs: dict[str, list[ReadableSpan]] = defaultdict(list)
+        #: message ids a worker skipped or deferred, by task and key digest
+        self.skipped: dict[tuple[str, str], set[str]] = defaultdict(set)
+        for span in sorted(spans, key=lambda s: s.start_time or 0):
+            attributes = dedup_attributes(span)
+            message = message_id(span)
+            task = span.name.split("/", 1)[-1]
+            digest = str(attributes.get("key_digest", ""))
+            if span.name.startswith("apply_async/") and attributes:
+                self.decisions[task, digest].append(span)
+            elif span.name.startswith("run/") and message is not None:
+                self.runs[message].append(span)
+                if attributes:
+                    self.skipped[task, digest].add(message)
+
+
 @pytest.fixture(scope="module")
-def lab(redis_server: RedisServer) -> Iterator[Lab]:
-    """Every case launched on one worker, run to the end."""
+def traced() -> Iterator[InMemorySpanExporter]:
+    """The Celery instrumentation for the whole module (the worker's runs and publishes too)."""
+    with instrumented() as exporter:
+        yield exporter
+
+
+@pytest.fixture(scope="module")
+def lab(redis_server: RedisServer, traced: InMemorySpanExporter) -> Iterator[Lab]:
+    """Every case launched on one worker, run to the end; the spans they left."""
     redis_server.flush(BROKER_DB, BACKEND_DB, RUNS_DB)
     lab = Lab(redis_server)
+    task_prerun.connect(lab.deliveries.prerun, weak=False, dispatch_uid="admw.prerun")
+    task_postrun.connect(lab.deliveries.postrun, weak=False, dispatch_uid="admw.postrun")
     with start_worker(
         lab.app,
         pool="threads",
@@ -294,7 +382,11 @@ def lab(redis_server: RedisServer) -> Iterator[Lab]:
         # The last ETA (SEND_TASK_HOLD) and every delayed or deferred copy: run out.
         wait_until(lab.idle, timeout=120, interval=0.2)
         wait_until(lab.idle, timeout=120, interval=0.2)  # (a retry republished meanwhile)
+        lab.spans = Spans(traced.get_finished_spans())
+        traced.clear()
         yield lab
+    task_prerun.disconnect(dispatch_uid="admw.prerun")
+    task_postrun.disconnect(dispatch_uid="admw.postrun")
     for case in CASES:
         case.results.clear()  # (an AsyncResult let go after the server stopped reconnects)
     gc.collect()
@@ -364,6 +456,7 @@ def test_worker_paths_run_each_call_once(lab: Lab, case: Case) -> None:
     if case.limit.startswith("concurrency"):
         assert max(lab.recorded(case, "conc")) == 1
     assert _held_keys(lab, case, (1, 2, 3)) == []
+    _spans_agree(lab, case)
 
 
 def test_every_case_was_launched() -> None:
@@ -372,3 +465,131 @@ def test_every_case_was_launched() -> None:
         len(POLICIES) * (len(PATHS) + len(IDS)) + 2
     )
 
+
+
+def _digests(job: Any, case: Case) -> set[str]:
+    """The key digests of every call a case can make (each mode's arguments, a shared key)."""
+    keys = [
+        dedup_key_for(job, (case.user, n, *mode))
+        for n in (1, 2, 3)
+        for mode in ((), ("retry",), ("fail",))
+    ]
+    keys.append(dedup_key_for(job, (case.user, 1), deduplication_key=case.user))
+    return {otel.digest(key) for key in keys if key is not None}
+
+
+
+TAKE_OVERS = ("replace", "keep_last", "cancel_running")
+#: the reasons a worker may skip or defer a delivery of a case's call, by what the case has
+CONCURRENCY_REASONS = ("deferred: concurrency limit 1 reached", "already ran")
+TAKE_OVER_REASONS = (
+    "revoked", "already ran", "deferred: the previous run of its key",
+    "deferred: a copy of it is running",  # (a deterministic id: the call again is a copy)
+)
+
+
+def _reasons(case: Case) -> tuple[str, ...]:
+    """The skip and deferral reasons (prefixes) a run span of ``case`` may carry."""
+    reasons: tuple[str, ...] = ()
+    if case.limit.startswith("concurrency"):
+        reasons += CONCURRENCY_REASONS  # (a waiter woken and its deferred copy: one runs)
+    if case.path == "send_task":
+        reasons += ("unannounced duplicate",)
+    if case.path == "worker_side" and case.policy in TAKE_OVERS:
+        reasons += TAKE_OVER_REASONS  # the held call, taken over
+    return reasons
+
+
+def _came_back(span: ReadableSpan, runs: list[ReadableSpan]) -> bool:
+    """A later delivery of the span's message is its retry."""
+    def retries(s: ReadableSpan) -> int:
+        value = dict(s.attributes or {}).get("celery.retries")
+        return value if isinstance(value, int) else 0
+
+    later = [s for s in runs if (s.start_time or 0) > (span.start_time or 0)]
+    return any(retries(s) > retries(span) for s in later)
+
+
+def _spans_agree(lab: Lab, case: Case) -> None:
+    """The case's trace tells what happened: each publish's decision, each run's skip."""
+    job = lab.jobs[case.base, case.policy, case.limit]
+    digests = _digests(job, case)
+    decisions = sorted(
+        (s for d in digests for s in lab.spans.decisions.get((job.name, d), ())),
+        key=lambda s: s.start_time or 0,
+    )
+    said = [{**dedup_attributes(s), "id": message_id(s)} for s in decisions]
+    outcomes = [d["outcome"] for d in said]
+    # Worker-side publishes never raise; a rate delays (``deferred``), never refuses.
+    rated = case.limit.startswith("rate")
+    allowed = {"published", "duplicate"} | ({"deferred"} if rated else set())
+    assert set(outcomes) <= allowed, said
+    assert all(d["key_digest"] in digests for d in said)
+    published = [d["id"] for d in said if d["outcome"] != "duplicate"]
+    assert None not in published, said
+    if case.path in ("chain", "chord"):
+        assert len(published) == len(set(published)) == 3, said
+        if case.path == "chain":
+            assert published[-1] == case.results[0].id
+    elif case.path == "shared_key":  # never displacing each other
+        assert len(set(published)) == 2 and not any("replaced_task_id" in d for d in said), said
+    elif case.path == "observe":
+        assert outcomes == ["published"] * 3, said
+        assert [d["id"] for d in said] == [r.id for r in case.results]
+        assert "would" not in said[0] and all("would" in d for d in said[1:]), said
+    elif case.path == "worker_side":
+        made = case.results[0].get(timeout=1)
+        assert [d["id"] or d["holder_id"] for d in said] == made, said
+        again = said[1]
+        if case.policy in ("existing", "raise"):
+            assert again["outcome"] == "duplicate" and again["holder_id"] == made[0], said
+        else:
+            took = "cancelled_task_id" if case.policy == "cancel_running" else "replaced_task_id"
+            assert again["outcome"] != "duplicate" and again[took] == made[0], said
+        assert said[0]["outcome"] == "published"
+    else:  # one call from the test (a retry and a send_task copy are not calls)
+        assert outcomes == ["published"] and published == [case.results[0].id], said
+    # Runs: every delivery of the case's messages has its run span, its body's mark or
+    # its skip (deferral) event with a reason the case allows, never both.
+    slot_digests = {otel.digest(concurrency_store_key("", job.name, case.user))}
+    messages = set(published) | {
+        m for d in digests | slot_digests for m in lab.spans.skipped.get((job.name, d), ())
+    }
+    if case.path == "send_task":
+        messages.add(case.results[1].id)
+    reasons = _reasons(case)
+    for message in messages:
+        runs = [s for s in lab.spans.runs.get(message, ()) if s.name == f"run/{job.name}"]
+        overlapped = message in lab.deliveries.overlapped
+        if not overlapped:
+            assert len(runs) == lab.deliveries.count[message], (message, len(runs))
+            assert sum(RAN in (s.attributes or {}) for s in runs) == lab.bodies[message]
+        for span in runs:
+            events = [e for e in span.events if e.name.startswith(otel.ATTRIBUTE_PREFIX)]
+            ran = dict(span.attributes or {}).get(RAN) == case.user
+            if ran or (overlapped and not events):
+                # (the instrumentation keeps one run span per message id: of two
+                # deliveries of one id at once, one span ends early, one never does)
+                assert not events and "outcome" not in dedup_attributes(span), span.to_json()
+                continue
+            if not events and _came_back(span, runs) and case.policy in TAKE_OVERS:
+                # A replaced message waiting for its replacement to start comes back
+                # as a retry (``worker._come_back``): no skip or deferral is signalled.
+                continue
+            # One event; rarely (a deterministic id under a concurrency limit) two alike
+            # deferrals of one span, the deliveries of the id never seen overlapping.
+            assert len({dedup_attributes(e).get("reason") for e in events}) == 1, span.to_json()
+            assert len(events) == 1 or case.limit.startswith("concurrency"), span.to_json()
+            event = events[0]
+            attributes = dedup_attributes(event)
+            reason = str(attributes.get("reason"))
+            assert reason.startswith(reasons), (reason, reasons)
+            outcome = "deferred" if reason.startswith("deferred") else "skipped"
+            assert event.name == otel.ATTRIBUTE_PREFIX + outcome
+            assert dedup_attributes(span)["outcome"] == outcome
+            # (a concurrency deferral names the key of its slots)
+            slots = reason.startswith("deferred: concurrency")
+            assert attributes["key_digest"] in (slot_digests if slots else digests), attributes
+    if case.path == "send_task":  # the copy: skipped, naming its held call
+        (copy,) = lab.spans.runs[case.results[1].id]
+        assert dedup_attributes(copy)["holder_id"] == case.results[0].id

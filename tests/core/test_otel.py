@@ -22,12 +22,11 @@ import redis
 from celery import Celery
 from celery import _state as celery_state
 from opentelemetry import trace
-from opentelemetry.instrumentation.celery import CeleryInstrumentor
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from celery_dedup import DedupTask, RateLimited, otel
+from tests.fixtures.otel import instrumented
 from tests.fixtures.redis import RedisServer
 
 from .conftest import AppFactory, wait_until
@@ -38,13 +37,8 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def exporter() -> Iterator[InMemorySpanExporter]:
     """Every span of the module, celery-dedup's own included (the global provider)."""
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    trace.set_tracer_provider(provider)
-    CeleryInstrumentor().instrument(tracer_provider=provider)
-    yield exporter
-    CeleryInstrumentor().uninstrument()
+    with instrumented() as exporter:
+        yield exporter
 
 
 @pytest.fixture

@@ -20,9 +20,11 @@ from celery import Celery, Task
 
 from celery_dedup import DedupTask
 
-from .probe import Recorder, body_event, install_worker_probes
+from .probe import Recorder, body_event, install_tracing, install_worker_probes
 
-__all__ = ["SLOTS", "WORK", "PlannedFailure", "from_env", "make_app", "plan_slots", "work_task"]
+__all__ = [
+    "SLOTS", "TRACED", "WORK", "PlannedFailure", "from_env", "make_app", "plan_slots", "work_task",
+]
 
 #: the task every scenario runs
 WORK = "rel.work"
@@ -30,6 +32,13 @@ WORK = "rel.work"
 #: Environment variables a worker subprocess reads its configuration from.
 CONF_ENV = "REL_CONF"
 RECORDER_ENV = "REL_RECORDER"
+#: the worker's name (``w1``...), for ``TRACED``
+NAME_ENV = "REL_NAME"
+
+#: a ``conf`` key (not a Celery setting): the names of the processes (workers ``w1``...,
+#: producers ``p0``...) that run OpenTelemetry's Celery instrumentation, their spans
+#: recorded (``probe.install_tracing``) and judged by the checker (``check_spans``)
+TRACED = "rel_traced"
 
 
 class PlannedFailure(Exception):
@@ -99,8 +108,11 @@ class CallOverrideTask(_RunsItself, DedupTask):
     """A ``DedupTask`` whose resolved ``__call__`` is an override (the envelope wraps it)."""
 
 
-def make_app(conf: Mapping[str, Any], recorder_url: str, *, probes: bool = False) -> Celery:
-    """An app with ``rel.work`` on ``conf``; ``probes`` records worker signals (workers only).
+def make_app(
+    conf: Mapping[str, Any], recorder_url: str, *, probes: bool = False, name: str = ""
+) -> Celery:
+    """An app with ``rel.work`` on ``conf``; ``probes`` records worker signals (workers only);
+    ``name`` (``w1``, ``p0``...) traces the process when ``conf[TRACED]`` lists it.
 
     With ``conf[CALL_OVERRIDE]`` the task's class overrides ``__call__`` as
     Flask's base task does.
@@ -137,6 +149,11 @@ def make_app(conf: Mapping[str, Any], recorder_url: str, *, probes: bool = False
     def work(self: Any, n: int, plan: dict[str, Any]) -> int:
         return run_plan(self, recorder, n, plan)
 
+    if name and name in conf.get(TRACED, ()):
+        # Before the probes (see ``install_tracing``); the app is current: the
+        # instrumentation finds the task there.
+        install_tracing(recorder)
+        app.set_current()
     if probes:
         install_worker_probes(recorder)
     return app
@@ -147,11 +164,16 @@ def work_task(app: Celery) -> DedupTask:
     return cast(DedupTask, app.tasks[WORK])
 
 
-def worker_env(conf: Mapping[str, Any], recorder_url: str) -> dict[str, str]:
+def worker_env(conf: Mapping[str, Any], recorder_url: str, name: str = "") -> dict[str, str]:
     """The environment variables ``from_env`` reads."""
-    return {CONF_ENV: json.dumps(dict(conf)), RECORDER_ENV: recorder_url}
+    return {CONF_ENV: json.dumps(dict(conf)), RECORDER_ENV: recorder_url, NAME_ENV: name}
 
 
 def from_env() -> Celery:
     """The worker subprocess's app (``tests.reliability.worker_app``)."""
-    return make_app(json.loads(os.environ[CONF_ENV]), os.environ[RECORDER_ENV], probes=True)
+    return make_app(
+        json.loads(os.environ[CONF_ENV]),
+        os.environ[RECORDER_ENV],
+        probes=True,
+        name=os.environ.get(NAME_ENV, ""),
+    )

@@ -62,6 +62,7 @@ __all__ = [
     "Revoke",
     "Scan",
     "Seen",
+    "SpanRecord",
     "Trace",
     "check",
     "summary",
@@ -127,6 +128,9 @@ class Kind(str, Enum):
     SLOTS = "concurrency limit exceeded"
     #: a call ``dedup_mode="observe"`` published anyway whose message never ran to its end
     OBSERVED = "observed call not run"
+    #: an OpenTelemetry span of a traced process that disagrees with what was recorded: a
+    #: traced call or skip without its span, or a span claiming what did not happen
+    SPAN = "span disagrees"
 
 
 @dataclass(frozen=True)
@@ -169,6 +173,8 @@ class Call:
     observe: bool = False
     #: made by ``enqueue_many(per_item=True)`` (t0, t1: the whole bulk call's)
     bulk: bool = False
+    #: made in a process whose OpenTelemetry Celery instrumentation was on (``check_spans``)
+    traced: bool = False
 
 
 @dataclass(frozen=True)
@@ -212,6 +218,8 @@ class Event:
     fence: int = 0
     #: the ``concurrency_limit`` the run's call drew (``start``), else 0 (none)
     slots: int = 0
+    #: recorded in a process whose OpenTelemetry Celery instrumentation was on
+    traced: bool = False
 
 
 @dataclass(frozen=True)
@@ -233,6 +241,29 @@ class Scan:
     locks: tuple[Seen, ...]
 
 
+@dataclass(frozen=True)
+class SpanRecord:
+    """A finished OpenTelemetry span of a traced process that carries celery-dedup's decision.
+
+    ``name`` is the instrumentation's (``apply_async/<task>``, ``run/<task>``);
+    ``attributes`` and each event's are the ``celery_dedup.*`` ones, without
+    the prefix.
+    """
+
+    name: str
+    #: the Celery message the span is about (``""``: a span of celery-dedup's own)
+    message_id: str
+    pid: int
+    t: float
+    attributes: dict[str, object] = field(default_factory=dict)
+    #: ``{"name": ..., "attributes": {...}}`` per span event
+    events: list[dict[str, object]] = field(default_factory=list)
+
+    @property
+    def outcome(self) -> str:
+        return str(self.attributes.get("outcome", ""))
+
+
 @dataclass
 class Trace:
     """Everything recorded during one run."""
@@ -241,6 +272,7 @@ class Trace:
     revokes: list[Revoke] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
     scans: list[Scan] = field(default_factory=list)
+    spans: list[SpanRecord] = field(default_factory=list)
 
     def to_json(self) -> str:
         """The trace as JSON (kept next to a failing run's logs)."""
@@ -258,6 +290,7 @@ class Trace:
                 Scan(s["t0"], s["t1"], tuple(Seen(**seen) for seen in s["locks"]))
                 for s in raw["scans"]
             ],
+            spans=[SpanRecord(**span) for span in raw.get("spans", [])],
         )
 
 
@@ -1043,6 +1076,89 @@ class _Checker:
                     f"(records: {', '.join(kinds) or 'none'})",
                 )
 
+    def check_spans(self) -> None:
+        """Spans of traced processes agree with the calls and skips recorded.
+
+        A traced call that published, was observed or was answered as a
+        duplicate has its span: a publish span of its message saying
+        ``published`` (or ``deferred``; an observed one with ``would``), or
+        a ``duplicate`` span naming its holder, under the digest of its key.
+        A skip recorded by a traced worker has its ``celery_dedup.skipped``
+        or ``celery_dedup.deferred`` event, with the same reason, on the run
+        span of its message in the same process. And no span claims what
+        did not happen: a ``published`` span names a message a call
+        published (or a worker published again), a ``duplicate`` span a
+        call answered as a duplicate of that holder, a skip event a skip
+        recorded.
+        """
+        by_call: dict[tuple[str, str, str], list[SpanRecord]] = defaultdict(list)
+        skip_events: dict[tuple[str, str, int], int] = defaultdict(int)
+        for span in self.trace.spans:
+            if span.name.startswith("apply_async/"):
+                kind = "duplicate" if span.outcome == "duplicate" else "publish"
+                named = span.attributes.get("holder_id") if kind == "duplicate" else None
+                ident = str(named or span.message_id)
+                by_call[kind, ident, str(span.attributes.get("key_digest", ""))].append(span)
+            for event in span.events:
+                attributes = event.get("attributes")
+                reason = attributes.get("reason") if isinstance(attributes, dict) else None
+                skip_events[span.message_id, str(reason), span.pid] += 1
+                wanted = "deferred" if str(reason).startswith("deferred") else "skipped"
+                if event.get("name") != f"celery_dedup.{wanted}":
+                    self.report(Kind.SPAN, "", f"run span of {span.message_id}: event "
+                                f"{event.get('name')} for reason {reason!r}")  # fmt: skip
+        used: set[int] = set()
+        for call in self.trace.calls:
+            outcomes = SPAN_OUTCOMES.get(call.outcome)
+            # (an untraced process's call has no span: it may not take a traced one's)
+            if outcomes is None or not call.traced:
+                continue
+            kind = "duplicate" if "duplicate" in outcomes else "publish"
+            # A call's span ends during the call: calls of one holder (its duplicates,
+            # a deterministic id published again) are told apart by when.
+            spans = [
+                s for s in by_call.get((kind, call.task_id, digest(call.key)), [])
+                if id(s) not in used and s.outcome in outcomes
+                and (call.outcome != "observed" or "would" in s.attributes)
+                and call.t0 - SPAN_CLOCK <= s.t <= call.t1 + SPAN_CLOCK
+            ]  # fmt: skip
+            if spans:
+                used.add(id(spans[0]))
+            else:
+                self.report(Kind.SPAN, call.key, f"{call.outcome} call {call.task_id} "
+                            f"({call.seq}) has no span saying so")  # fmt: skip
+        messages = {e.task_id for e in self.trace.events}
+        # A call that raised (the broker, its rate, the store) is recorded ``failed``.
+        raised = {digest(c.key) for c in self.trace.calls if c.outcome == "failed"}
+        for span in self.trace.spans:
+            if not span.name.startswith("apply_async/") or id(span) in used:
+                continue
+            republished = span.outcome in ("published", "deferred") and (
+                span.message_id in messages
+            )
+            refused = span.outcome in ("failed", "refused", "unavailable") and (
+                span.attributes.get("key_digest") in raised
+            )
+            if span.outcome and not (republished or refused):
+                self.report(Kind.SPAN, "", f"{span.name} says {span.outcome} of "
+                            f"{span.message_id or span.attributes.get('holder_id')}: "
+                            "no call recorded that")  # fmt: skip
+        skips: dict[tuple[str, str, int], int] = defaultdict(int)
+        for e in self.trace.events:
+            if e.kind == "skipped":
+                skips[e.task_id, e.outcome, e.pid] += 1
+        for (task_id, reason, pid), n in skip_events.items():
+            if n > skips.get((task_id, reason, pid), 0):
+                self.report(Kind.SPAN, "", f"run span of {task_id} says skipped ({reason}) "
+                            f"{n} times in pid {pid}: no such skip recorded")  # fmt: skip
+        for e in self.trace.events:
+            if e.kind == "skipped" and e.traced:
+                found = skip_events.get((e.task_id, e.outcome, e.pid), 0)
+                if found < skips[e.task_id, e.outcome, e.pid]:
+                    self.report(Kind.SPAN, "", f"skip of {e.task_id} ({e.outcome}) in pid "
+                                f"{e.pid} has no span event saying so")  # fmt: skip
+                    skips[e.task_id, e.outcome, e.pid] = found  # (reported once)
+
     def check_lost(self) -> None:
         """Never finished and not revoked; or dropped by a worker for no reason of its own."""
         for h in self.holdings:
@@ -1090,6 +1206,23 @@ class _Checker:
             f"{t - call.t1:.3f}s after its publish, without a revoke or expiry of its own",
         )
 
+#: how far a span's end may lie outside its call's ``t0``..``t1`` (both read from the
+#: process's clock; rounding only)
+SPAN_CLOCK = 0.002
+#: a span's outcome for each call outcome of a traced producer (``check_spans``)
+SPAN_OUTCOMES: Mapping[str, frozenset[str]] = {
+    "published": frozenset({"published", "deferred"}),
+    "observed": frozenset({"published", "deferred"}),
+    "deduplicated": frozenset({"duplicate"}),
+    "raised": frozenset({"duplicate"}),
+}
+
+
+def digest(key: str) -> str:
+    """A key as spans name it (``celery_dedup.otel.digest``)."""
+    return key.rsplit(":", 1)[-1]
+
+
 def check(
     trace: Trace,
     margin: float = MARGIN,
@@ -1122,6 +1255,7 @@ def check(
     checker.check_capped()
     checker.check_suppressions()
     checker.check_observed()
+    checker.check_spans()
     checker.check_scans()
     checker.check_revokes()
     checker.check_lost()

@@ -26,8 +26,10 @@ from celery.signals import (
     task_revoked,
     worker_ready,
 )
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-from celery_dedup import CancelTimeout, DuplicateTaskError, dedup_key_for
+from celery_dedup import CancelTimeout, DuplicateTaskError, dedup_key_for, otel
 from celery_dedup.header import HEADER
 from celery_dedup.options import pop_call_options
 from celery_dedup.signals import task_observed, task_skipped
@@ -42,6 +44,7 @@ from .model import (
     Revoke,
     Scan,
     Seen,
+    SpanRecord,
     Trace,
     check,
     unfinished,
@@ -52,6 +55,7 @@ __all__ = [
     "Producer",
     "Recorder",
     "Scanner",
+    "install_tracing",
     "install_worker_probes",
     "poll",
     "scan_once",
@@ -60,7 +64,7 @@ __all__ = [
 #: Only tasks whose name starts with this are recorded.
 TASK_PREFIX = "rel."
 
-_LISTS = ("calls", "revokes", "events", "scans")
+_LISTS = ("calls", "revokes", "events", "scans", "spans")
 
 
 class Recorder:
@@ -84,6 +88,10 @@ class Recorder:
     def event(self, event: Event) -> None:
         """Record something seen on a worker."""
         self._push("events", asdict(event))
+
+    def span(self, span: SpanRecord) -> None:
+        """Record one finished span carrying celery-dedup's decision."""
+        self._push("spans", asdict(span))
 
     def scan(self, scan: Scan) -> None:
         """Record one scan of the store."""
@@ -122,6 +130,7 @@ class Recorder:
             revokes=[Revoke(**json.loads(r)) for r in raw["revokes"]],
             events=[Event(**json.loads(r)) for r in raw["events"]],
             scans=[_scan(json.loads(r)) for r in raw["scans"]],
+            spans=[SpanRecord(**json.loads(r)) for r in raw["spans"]],
         )
 
     def drained(
@@ -223,6 +232,7 @@ def body_event(task: Any, recorder: Recorder, kind: str, **fields: Any) -> Event
         retries=int(request.retries or 0),
         pid=os.getpid(),
         fence=int(getattr(request, "dedup_fence", None) or 0),
+        traced=otel.active(),
         **fields,
     )
     recorder.event(event)
@@ -297,6 +307,71 @@ def install_worker_probes(recorder: Recorder) -> None:
     def _ready(sender: Any = None, **_: Any) -> None:
         hostname = str(getattr(sender, "hostname", ""))
         recorder.mark("ready", {"hostname": hostname, "pid": os.getpid(), "t": time.time()})
+
+
+# -- spans -----------------------------------------------------------------
+
+
+def install_tracing(recorder: Recorder) -> None:
+    """OpenTelemetry's Celery instrumentation in this process, its spans into ``recorder``.
+
+    Call it before the worker forks its pool (children inherit the
+    instrumentation's receivers) and before ``install_worker_probes``: the
+    instrumentation's ``task_postrun`` receiver ends (and so records) a run's
+    span before the probe records the run final. Spans are exported as
+    they end (``SimpleSpanProcessor``), so none is lost with its process.
+    """
+    from opentelemetry import trace
+    from opentelemetry.instrumentation import celery as instrumentation
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(_SpanRecorder(recorder)))
+    trace.set_tracer_provider(provider)
+    instrumentor: Any = instrumentation.CeleryInstrumentor  # (untyped)
+    instrumentor().instrument(tracer_provider=provider)
+
+
+def _dedup_attributes(attributes: Any) -> dict[str, object]:
+    prefix = otel.ATTRIBUTE_PREFIX
+    return {
+        k[len(prefix):]: v for k, v in dict(attributes or {}).items() if k.startswith(prefix)
+    }
+
+
+class _SpanRecorder(SpanExporter):
+    """A span exporter writing the ``celery_dedup.*`` part of ``rel.*`` spans to the recorder."""
+
+    def __init__(self, recorder: Recorder) -> None:
+        self.recorder = recorder
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        for span in spans:
+            attributes = _dedup_attributes(span.attributes)
+            if not attributes or "/" + TASK_PREFIX not in span.name:
+                continue
+            self.recorder.span(
+                SpanRecord(
+                    name=span.name,
+                    message_id=str(dict(span.attributes or {}).get("messaging.message.id", "")),
+                    pid=os.getpid(),
+                    t=(span.end_time or 0) / 1e9,
+                    attributes=attributes,
+                    events=[
+                        {"name": e.name, "attributes": _dedup_attributes(e.attributes)}
+                        for e in span.events
+                    ],
+                )
+            )
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        """Nothing to flush: every span is written as it ends."""
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        """Nothing to flush."""
+        return True
 
 
 # -- producer side ---------------------------------------------------------
@@ -458,6 +533,7 @@ class Producer:
         observing = call.mode.value == "observe"
         policy = "existing" if observing else call.on_duplicate.value
         common: dict[str, Any] = {
+            "traced": otel.active(),
             "key": key,
             "until": call.unique_until.value,
             "unique_for": float(call.unique_for or 0.0),

@@ -10,7 +10,7 @@ import pytest
 from celery_dedup.coalesce import WAIT
 from celery_dedup.debounce import owner_token
 
-from .model import Call, Event, Kind, Revoke, Scan, Seen, Trace, check, holdings
+from .model import Call, Event, Kind, Revoke, Scan, Seen, SpanRecord, Trace, check, holdings
 
 KEY = "celery-dedup:rel.work:" + "a" * 64
 OTHER = "celery-dedup:rel.work:" + "b" * 64
@@ -641,3 +641,85 @@ def test_an_observing_message_may_run_while_a_newer_call_holds_its_key() -> None
     assert check(Trace(calls=[a, b], events=events)) == []
     enforced = [replace(a, observe=False), replace(b, observe=False)]
     assert Kind.DUPLICATE in kinds(Trace(calls=enforced, events=events))
+
+
+def span(
+    name: str, message: str, outcome: str, pid: int = 1, t: float = 0.005, **attributes: Any
+) -> SpanRecord:
+    """A recorded span of a traced process saying ``outcome`` about ``message``, ended at ``t``
+    (within a call made at 0.0, as ``published`` and ``suppressed`` make them)."""
+    return SpanRecord(
+        name=name, message_id=message, pid=pid, t=t,
+        attributes={"outcome": outcome, "key_digest": KEY.rsplit(":", 1)[-1], **attributes},
+    )  # fmt: skip
+
+
+def skip_span(message: str, reason: str, pid: int = 1) -> SpanRecord:
+    """A worker's run span of ``message`` carrying a skip event."""
+    event = "celery_dedup.deferred" if reason.startswith("deferred") else "celery_dedup.skipped"
+    record = span("run/rel.work", message, event.rsplit(".", 1)[-1], pid, reason=reason)
+    return replace(record, events=[{"name": event, "attributes": {"reason": reason}}])
+
+
+def test_spans_that_agree_with_the_trace_have_no_finding() -> None:
+    """A traced publish, its traced duplicate and a traced skip, each with its span."""
+    first = published(0.0, "A", "ta", traced=True)
+    again = replace(suppressed(0.1, "A"), traced=True)
+    skipped = Event("skipped", "guard:C", "C", 0.3, outcome="held by another publish",
+                    pid=1, traced=True)  # fmt: skip
+    trace = Trace(
+        calls=[first, again],
+        events=[*run("ta", "A", 1.0), skipped],
+        spans=[
+            span("apply_async/rel.work", "A", "published"),
+            span("apply_async/rel.work", "", "duplicate", t=0.105, holder_id="A"),
+            skip_span("C", "held by another publish"),
+        ],
+    )
+    assert Kind.SPAN not in kinds(trace)
+
+
+def test_each_traced_call_takes_the_span_made_during_it() -> None:
+    """Calls answered alike (duplicates of one holder, one deterministic id published
+    twice) take the span that ended during each; an untraced process's call takes none."""
+    first = published(0.0, "A", "ta", traced=True)
+    again = published(1.0, "A", "tb", traced=True)  # (the same id, published again)
+    untraced, traced = suppressed(0.5, "A"), replace(suppressed(0.6, "A"), traced=True)
+    trace = Trace(
+        calls=[first, untraced, again, traced],
+        events=[*run("ta", "A", 0.2, 0.1), *run("tb", "A", 1.2, 0.1)],
+        spans=[
+            span("apply_async/rel.work", "A", "published"),
+            span("apply_async/rel.work", "A", "published", t=1.005),
+            span("apply_async/rel.work", "", "duplicate", t=0.605, holder_id="A"),
+        ],
+    )
+    assert Kind.SPAN not in kinds(trace)
+    late = replace(trace, spans=[*trace.spans[:2], replace(trace.spans[2], t=0.505)])
+    assert Kind.SPAN in kinds(late)  # the traced call's span is not the untraced call's
+
+
+@pytest.mark.parametrize("disagreement", ["says duplicate", "no span", "other reason",
+                                          "skip never happened", "published a refusal"])
+def test_a_disagreeing_span_is_found(disagreement: str) -> None:
+    """A span that says another outcome, a traced call or skip without one, a span
+    claiming a skip or a publish nobody recorded: each is a finding."""
+    first = published(0.0, "A", "ta", traced=True)
+    skipped = Event("skipped", "guard:C", "C", 0.3, outcome="held by another publish",
+                    pid=1, traced=True)  # fmt: skip
+    calls, events = [first], [*run("ta", "A", 1.0), skipped]
+    spans = [span("apply_async/rel.work", "A", "published"),
+             skip_span("C", "held by another publish")]  # fmt: skip
+    if disagreement == "says duplicate":
+        spans[0] = span("apply_async/rel.work", "A", "duplicate", holder_id="A")
+    elif disagreement == "no span":
+        spans = spans[1:]
+    elif disagreement == "other reason":
+        spans[1] = skip_span("C", "already ran")
+    elif disagreement == "skip never happened":
+        spans.append(skip_span("D", "revoked"))
+    else:  # a span says published of a message no call published (it was refused)
+        spans.append(span("apply_async/rel.work", "E", "published"))
+    findings = [f for f in check(Trace(calls=calls, events=events, spans=spans))
+                if f.kind is Kind.SPAN]  # fmt: skip
+    assert findings, disagreement

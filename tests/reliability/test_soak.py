@@ -26,7 +26,7 @@ from celery.result import AsyncResult
 from celery_dedup.stores import store_from_url
 from tests.fixtures._store_case import StoreCase
 
-from .apps import CALL_OVERRIDE, FENCE, SLOTS
+from .apps import CALL_OVERRIDE, FENCE, SLOTS, TRACED
 from .conftest import Backends
 from .model import Holding, Kind, Trace, check, summary, unfinished
 from .probe import Recorder, Scanner, poll, scan_once
@@ -61,6 +61,20 @@ def store_url(fixture: str, backends: Backends, request: pytest.FixtureRequest) 
         return backends.store
     case: StoreCase = request.getfixturevalue(fixture)
     return case.url
+
+
+def traced(plan: SoakPlan, fault: str, workers: int) -> list[str]:
+    """The processes that run OpenTelemetry's Celery instrumentation (``check_spans``):
+    the first worker and producer, each other one drawn (replayed by the seed)."""
+    rng = random.Random(f"{plan.seed}:{fault}:traced")
+    others = [f"w{i + 1}" for i in range(1, workers)] + [f"p{i}" for i in range(1, plan.producers)]
+    return ["w1", "p0", *(name for name in others if rng.random() < 0.5)]
+
+
+def spans_seen(trace: Trace) -> str:
+    """What the traced processes' spans said (outcomes, skip events), for a run's report."""
+    said = Counter(s.outcome for s in trace.spans)
+    return f"spans {dict(said)}"
 
 
 def describe(trace: Trace) -> str:
@@ -115,7 +129,9 @@ def test_soak_finds_no_violation(
     fence = fixture in FENCING_STORES
     slots = fixture in LIMIT_STORES
     conf = backends.conf(
-        dedup_store=url, **settings, **{CALL_OVERRIDE: override, FENCE: fence, SLOTS: slots}
+        dedup_store=url,
+        **settings,
+        **{CALL_OVERRIDE: override, FENCE: fence, SLOTS: slots, TRACED: traced(plan, fault, 2)},
     )
     workers.start(conf, count=2, concurrency=2)
     store = store_from_url(url)
@@ -139,8 +155,8 @@ def test_soak_finds_no_violation(
     # memcached counts TTLs in whole seconds: a lock may outlive its TTL by ~4 s (documented).
     findings = check(trace, ttl_slack=4.0 if fixture == "store_memcached" else 0.0)
     report = (
-        f"{fault}: seed {plan.seed}, __call__ override {override}, {scanner.count} scans; "
-        f"{describe(trace)}"
+        f"{fault}: seed {plan.seed}, __call__ override {override}, {scanner.count} scans, "
+        f"traced {conf[TRACED]}; {describe(trace)}; {spans_seen(trace)}"
     )
     assert not findings, f"{summary(findings)}\n{report}\ntrace: {tmp_path / 'trace.json'}"
     # The run exercised what it claims to (not a vacuous pass).
@@ -166,6 +182,11 @@ def test_soak_finds_no_violation(
         assert all(
             e.fence > 0 for e in trace.events if e.kind == "start" and e.task_id not in unlocked
         ), report
+    # The traced processes' spans were judged (check_spans): publishes, duplicates, skips.
+    said = Counter(s.outcome for s in trace.spans)
+    assert said["published"] > 0 and said["duplicate"] > 0, report
+    assert any(s.events for s in trace.spans), report
+    assert any(c.traced for c in trace.calls), report
     assert all(k in Kind for k in Kind)
 
 
@@ -221,7 +242,11 @@ def test_soak_under_worker_faults(
     plan = SoakPlan.from_env()
     override = random.Random(f"{plan.seed}:{fault}").random() < 0.5  # as in the soak
     fence = fixture in FENCING_STORES
-    conf = backends.conf(dedup_store=url, **settings, **{CALL_OVERRIDE: override, FENCE: fence})
+    conf = backends.conf(
+        dedup_store=url,
+        **settings,
+        **{CALL_OVERRIDE: override, FENCE: fence, TRACED: traced(plan, fault, 2)},
+    )
     pool = workers.start(conf, count=2, concurrency=2)
     store = store_from_url(url)
     context = multiprocessing.get_context("spawn")

@@ -31,12 +31,12 @@ from celery_dedup.stores import store_from_url
 from tests.fixtures._store_case import StoreCase
 
 from . import model
-from .apps import make_app, work_task
+from .apps import TRACED, make_app, work_task
 from .conftest import Backends
 from .model import Revoke, check, summary
 from .probe import Producer, Recorder, Scanner, scan_once
 from .servers import FlakyRedis, flaky_redis
-from .test_soak import PREFIX, describe
+from .test_soak import PREFIX, describe, spans_seen, traced
 from .workers import WorkerPool
 from .workloads import SoakPlan, Workload
 
@@ -51,7 +51,7 @@ def produce_through_outages(
     index: int, plan: SoakPlan, conf: dict[str, Any], recorder_url: str, start_at: float
 ) -> None:
     """``workloads.produce``, for a store that stalls: refused calls and revokes go on."""
-    app = make_app(conf, recorder_url)
+    app = make_app(conf, recorder_url, name=f"p{index}")
     task = work_task(app)
     recorder = Recorder(recorder_url)
     producer = Producer(recorder)
@@ -187,6 +187,7 @@ def test_soak_under_store_stalls_longer_than_the_lease_finds_no_violation(
             "unacked_restore_interval": 1,
             "unacked_restore_throttle": 1,
         },
+        **{TRACED: traced(plan, "stalls", 2)},
     )
     workers.start(conf, count=2, concurrency=2)
     context = multiprocessing.get_context("spawn")
@@ -208,12 +209,19 @@ def test_soak_under_store_stalls_longer_than_the_lease_finds_no_violation(
     trace = recorder.trace()
     (tmp_path / "trace.json").write_text(trace.to_json())
     findings = check(trace)
-    report = f"seed {plan.seed}, {staller.count} stalls; {describe(trace)}"
+    report = (
+        f"seed {plan.seed}, {staller.count} stalls, traced {conf[TRACED]}; {describe(trace)}; "
+        f"{spans_seen(trace)}"
+    )
     assert not findings, f"{summary(findings)}\n{report}\ntrace: {tmp_path / 'trace.json'}"
     # The run exercised what it claims to (not a vacuous pass).
     outcomes = Counter(c.outcome for c in trace.calls)
     assert staller.count >= 2 and outcomes["published"] > plan.calls // 10, report
     assert any(e.kind == "skipped" and "deferred" in e.outcome for e in trace.events), report
+    # The traced processes' spans were judged (check_spans): publishes and duplicates.
+    said = Counter(s.outcome for s in trace.spans)
+    assert said["published"] > 0 and said["duplicate"] > 0, report
+    assert any(c.traced for c in trace.calls), report
     # The stalls hit running leases (each worker logged a renewal the store
     # did not answer in time).
     logs = workers.log_texts()

@@ -51,7 +51,7 @@ class Worker:
         ready_before = self._ready_count()
         env = {
             **os.environ,
-            **worker_env(self.conf, self.recorder.url),
+            **worker_env(self.conf, self.recorder.url, self.name),
             "PYTHONPATH": str(ROOT),
         }
         with self.log.open("ab") as out:

@@ -172,7 +172,7 @@ def produce(
     index: int, plan: SoakPlan, conf: dict[str, Any], recorder_url: str, start_at: float
 ) -> None:
     """One producer process: its share of the calls at its share of the rate, then revokes."""
-    app = make_app(conf, recorder_url)
+    app = make_app(conf, recorder_url, name=f"p{index}")
     task = work_task(app)
     recorder = Recorder(recorder_url)
     producer = Producer(recorder)
