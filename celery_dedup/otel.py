@@ -25,6 +25,7 @@ celery-dedup[otel]`` brings the API; the instrumentation is the app's).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Final
@@ -35,6 +36,8 @@ from .signals import task_skipped
 
 if TYPE_CHECKING:
     from .admission.state import Admission
+
+logger = logging.getLogger("celery_dedup")
 
 __all__ = ["ATTRIBUTE_PREFIX", "active", "decided", "failed", "publishing"]
 
@@ -129,10 +132,19 @@ def failed(adm: Admission, error: BaseException) -> None:
     The instrumentor ends its publish span in ``after_task_publish``, which
     a failed publish never sends: its span would stay open, and current in
     this thread's context. It is ended here as the instrumentor's own
-    activation would end it on an error, and detached.
+    activation would end it on an error, and detached. Never raises: it
+    runs while the publish's own error propagates, which must reach the
+    caller unchanged.
     """
     if not active():
         return
+    try:
+        _end_failed(adm, error)
+    except Exception:
+        logger.warning("celery-dedup: could not end the failed publish's span", exc_info=True)
+
+
+def _end_failed(adm: Admission, error: BaseException) -> None:
     from opentelemetry import trace
     from opentelemetry.instrumentation.celery import utils
 

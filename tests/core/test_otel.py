@@ -255,3 +255,35 @@ def test_either_order_of_the_publish_receivers(
     (publish,) = _spans(exporter, "apply_async/otel.late")
     assert _dedup(publish)["outcome"] == "published"
     assert dict(publish.attributes or {})["messaging.message.id"] == first.id
+
+
+def test_a_failed_span_never_hides_the_publish_error(
+    traced_app: Celery, exporter: InMemorySpanExporter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ending the failed publish's span runs while the publish's error propagates: if the
+    tracing itself breaks, the caller still gets the publish's error, and the lock is given
+    back (the next call publishes)."""
+
+    @traced_app.task(base=DedupTask, shared=False, name="otel.broken", unique_for=600)
+    def job(n: int) -> int:
+        return n
+
+    class Boom(Exception):
+        pass
+
+    def broken_publish(*args: Any, **kwargs: Any) -> Any:
+        raise Boom("broker down")
+
+    def broken_tracing(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("an exporter bug")
+
+    monkeypatch.setattr(otel, "_end_failed", broken_tracing)
+    original = traced_app.send_task
+    monkeypatch.setattr(traced_app, "send_task", broken_publish)
+    with pytest.raises(Boom):
+        job.delay(1)
+    monkeypatch.setattr(traced_app, "send_task", original)
+    again = job.delay(1)
+    assert again.deduplicated is False
+    with traced_app.connection_for_write() as conn:
+        assert conn.default_channel.client.llen(traced_app.conf.task_default_queue) == 1
