@@ -61,7 +61,7 @@ return {1, n + 1}
 # ARGV[2] - the number of slots (the caller's limit)
 # ARGV[3] - the lease in milliseconds ("" : give the holder's slot back)
 # ARGV[4] - the waiter id ("" : none)
-# ARGV[5] - the waiter's place
+# ARGV[5] - the waiter's place (its call time in microseconds)
 # ARGV[6] - the waiter's life in milliseconds
 # ARGV[7] - the waiter's payload
 # ARGV[8] - a reservation's grace in milliseconds
@@ -317,7 +317,9 @@ class RedisLimits:
         if waiter is None:
             listed: list[Any] = ["", 0, 0, b""]
         else:
-            listed = [waiter.id, int(waiter.order * 1000), _ms(waiter.life), waiter.payload]
+            # The place in microseconds: calls a loop publishes are well under a
+            # millisecond apart, and equal places would sort by id, not call time.
+            listed = [waiter.id, int(waiter.order * 1_000_000), _ms(waiter.life), waiter.payload]
         args = [holder, limit, _ms(ttl), *listed, _ms(grace)]
         raw = self._run(self._limit_scripts["turn"], self._turn_keys(key), args)
         return SlotTurn(bool(int(raw[0])), int(raw[1]), tuple(_bytes(p) for p in raw[2:]))

@@ -271,6 +271,20 @@ def test_handoff_serves_waiters_oldest_first(handoff_store: SlotHandoff) -> None
     assert store.slots_in_use(key) == 0
 
 
+def test_handoff_orders_calls_made_within_one_millisecond(handoff_store: SlotHandoff) -> None:
+    """Calls published a fraction of a millisecond apart (a loop of ``delay``) are woken in
+    call order, whatever order they were listed in and whatever their ids sort as."""
+    store, key = handoff_store, "celery-dedup-slots:t:close"
+    called = 1_795_846_663.974
+    assert store.take_slot_in_turn(key, "h", 1, 30, _waiter("h", called - 1), 5).taken
+    # "z-first" was called 0.2 ms before "a-second", and listed after it.
+    for name, order in (("a-second", called + 0.0004), ("z-first", called + 0.0002)):
+        assert not store.take_slot_in_turn(key, name, 1, 30, _waiter(name, order), 5).taken
+    assert store.give_slot_in_turn(key, "h", 1, 5) == (b"payload of z-first",)
+    assert store.take_slot_in_turn(key, "z-first", 1, 30, _waiter("z-first", called), 5).taken
+    assert store.give_slot_in_turn(key, "z-first", 1, 5) == (b"payload of a-second",)
+
+
 def test_handoff_fills_every_free_slot(handoff_store: SlotHandoff) -> None:
     """Limit 3, all held, 4 waiters: giving two back wakes the two oldest in one call each;
     a take without a waiter (a renewal) leaves listed waiters their turn."""
