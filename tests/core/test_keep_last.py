@@ -378,6 +378,18 @@ def _woken_then_parked_copy_dropped(
     assert inspect_lock(follow_up.deduplication_key, app=app) is None
 
 
+def _follow_up_at_the_gate(worker: Worker, redis_server: RedisServer) -> tuple[Any, Any]:
+    """Start ``worker`` with a long deferral backoff, run call 0 and defer call 1 at its
+    key's gate: their results."""
+    worker.env["LAST_LONG_BACKOFF"] = "1"
+    worker.start()
+    first = sync.delay(0)
+    wait_until(lambda: "start:0" in logged(redis_server), timeout=60)
+    follow_up = sync.delay(1)
+    wait_until(lambda: f"[{follow_up.id}] deferred" in worker.text(), timeout=60)
+    return first, follow_up
+
+
 def test_a_follow_up_waiting_at_the_gate_is_woken_when_the_run_it_follows_ends(
     every_store: Worker, redis_server: RedisServer
 ) -> None:
@@ -385,12 +397,7 @@ def test_a_follow_up_waiting_at_the_gate_is_woken_when_the_run_it_follows_ends(
     only after a long backoff, runs as soon as the run it follows ends (the end hands the
     gate over and the ending worker publishes it), exactly once."""
     worker = every_store
-    worker.env["LAST_LONG_BACKOFF"] = "1"
-    worker.start()
-    first = sync.delay(0)
-    wait_until(lambda: "start:0" in logged(redis_server), timeout=60)
-    follow_up = sync.delay(1)
-    wait_until(lambda: f"[{follow_up.id}] deferred" in worker.text(), timeout=60)
+    first, follow_up = _follow_up_at_the_gate(worker, redis_server)
     release_first_run(redis_server)
     assert first.get(timeout=60) == 0
     _woken_then_parked_copy_dropped(worker, redis_server, follow_up)
@@ -405,12 +412,7 @@ def test_on_a_gate_lock_store_a_killed_run_s_end_wakes_the_follow_up_from_the_ma
     backoff; the worker's main process records the killed run's end, which opens the gate
     and wakes the follow-up. It runs once."""
     worker = gate_lock_store
-    worker.env["LAST_LONG_BACKOFF"] = "1"
-    worker.start()
-    first = sync.delay(0)
-    wait_until(lambda: "start:0" in logged(redis_server), timeout=60)
-    follow_up = sync.delay(1)
-    wait_until(lambda: f"[{follow_up.id}] deferred" in worker.text(), timeout=60)
+    first, follow_up = _follow_up_at_the_gate(worker, redis_server)
     os.kill(pids(redis_server, "start:0")[0], signal.SIGKILL)
     _woken_then_parked_copy_dropped(worker, redis_server, follow_up)
     assert f"INFO/MainProcess] celery-dedup: last.sync[{follow_up.id}] woken" in worker.text()

@@ -8,27 +8,17 @@ follow-up whose parked copy is later dropped as "already ran" was woken.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import pytest
 from celery import Celery, _state
-from celery.contrib.testing.worker import start_worker
 
-from celery_dedup import DedupTask, inspect_lock
-from celery_dedup import worker as worker_module
 from celery_dedup.runtime import runtime_for
-from celery_dedup.signals import task_skipped
-from tests.core.conftest import wait_until
 from tests.fixtures._store_case import StoreCase
+from tests.fixtures.gate_wake import woken_by_the_run_s_end_and_run_once
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.django_db(transaction=True)]
-
-#: the countdown of every deferral here: the parked copy comes back this late
-LONG_BACKOFF = 8.0
-GATE_WAIT = "deferred: the previous run of its key"
 
 
 @contextmanager
@@ -68,50 +58,3 @@ def test_on_the_django_cache_store(
     beside it on a ``RedisCache``)."""
     with app_on(store_django_cache) as app:
         woken_by_the_run_s_end_and_run_once(app, monkeypatch)
-
-
-def woken_by_the_run_s_end_and_run_once(app: Celery, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A follow-up deferred at its key's gate runs as soon as the run it follows ends;
-    its parked copy, when it comes back after the long countdown, is dropped as a copy
-    of a run that ran: the body ran once per call."""
-    monkeypatch.setattr(
-        worker_module, "deferral_countdown", lambda task, request, base=None: LONG_BACKOFF
-    )
-    ran: list[int] = []
-    started, release = threading.Event(), threading.Event()
-
-    @app.task(base=DedupTask, shared=False, unique_for=60, on_duplicate="keep_last",
-              deduplication_key=lambda x: "account-1")
-    def sync(x: int) -> int:
-        ran.append(x)
-        if x == 0:
-            started.set()
-            release.wait(30)
-        return x
-
-    skipped: list[str] = []
-
-    def on_skip(sender: Any = None, task_id: str = "", reason: str = "", **_: Any) -> None:
-        skipped.append(f"{task_id}:{reason}")
-
-    task_skipped.connect(on_skip, weak=False)
-    try:
-        with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False,
-                          shutdown_timeout=30, loglevel="WARNING"):
-            first = sync.delay(0)
-            assert started.wait(10)
-            follow_up = sync.delay(1)
-            wait_until(
-                lambda: any(s.startswith(f"{follow_up.id}:{GATE_WAIT}") for s in skipped),
-                timeout=10,
-            )
-            release.set()
-            assert first.get(timeout=10) == 0
-            assert follow_up.get(timeout=10) == 1
-            wait_until(
-                lambda: f"{follow_up.id}:already ran" in skipped, timeout=LONG_BACKOFF + 20
-            )
-            assert ran == [0, 1]
-            assert inspect_lock(follow_up.deduplication_key, app=app) is None
-    finally:
-        task_skipped.disconnect(on_skip)
