@@ -74,7 +74,9 @@ app = Celery("proj")
 app.conf.update(json.loads(os.environ["CHECK_CONF"]))
 
 
-@app.task(base=DedupTask, unique_for=300)
+# "expiry": the second call is a duplicate however fast the worker runs the first
+# (under "success" a first call already done frees its key, rightly).
+@app.task(base=DedupTask, unique_for=300, unique_until="expiry")
 def record(name):
     with RUNS.open("a") as runs:
         runs.write(name + "\\n")
