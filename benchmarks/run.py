@@ -675,6 +675,11 @@ def run(*, smoke: bool = False, iterations: int | None = None, rounds: int | Non
     }
 
 
+def meets(value: float, op: str, bound: float) -> bool:
+    """Whether ``value`` is within a target's bound (``op``: ``">="`` or ``"<="``)."""
+    return value >= bound if op == ">=" else value <= bound
+
+
 def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Several runs' results as one: each row and target the median of the runs, with its
     spread (the lowest and the highest run) and every run's figure."""
@@ -690,7 +695,7 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
         op, bound = first["bound"].split()
         combined_targets.append({
             "target": first["target"], "value": value, "bound": first["bound"],
-            "met": value >= float(bound) if op == ">=" else value <= float(bound),
+            "met": meets(value, op, float(bound)),
             "runs": values,
         })
     # Round trips are counts: every run must agree, or the table says the highest.
@@ -747,7 +752,7 @@ def targets(rows: dict[str, float], trips: dict[str, Any]) -> list[dict[str, Any
     ]
     return [
         {"target": name, "value": value, "bound": f"{op} {bound:g}",
-         "met": value >= bound if op == ">=" else value <= bound}
+         "met": meets(value, op, bound)}
         for name, value, op, bound in checks
     ]
 
