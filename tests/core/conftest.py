@@ -73,6 +73,29 @@ def worker_for() -> Iterator[Callable[..., Any]]:
         stack.pop().__exit__(None, None, None)
 
 
+def scheduled_by_worker(app: Celery, task_id: str) -> None:
+    """Wait until a worker holds ``task_id`` as an ETA task and answers broadcasts.
+
+    A revoke broadcast before the worker's control consumer subscribed is
+    lost (a loaded machine takes a while after the worker is ready), so a
+    test that revokes a held message first sees the worker report it.
+    """
+
+    def holds() -> bool:
+        # A connection of its own, closed after: a pooled one would keep the
+        # reply consumer's pending BRPOP, which a later fork (kombu closes
+        # inherited pools after fork) waits on forever.
+        with app.connection_for_write() as connection:
+            replies = app.control.inspect(timeout=1, connection=connection).scheduled() or {}
+        return any(
+            entry.get("request", {}).get("id") == task_id
+            for entries in replies.values()
+            for entry in entries
+        )
+
+    wait_until(holds, timeout=20)
+
+
 def wait_until(predicate: Callable[[], Any], timeout: float = 10, interval: float = 0.05) -> Any:
     """Poll ``predicate`` until it returns something truthy; fail after ``timeout``."""
     deadline = time.monotonic() + timeout

@@ -12,7 +12,7 @@ from celery import states
 import celery_dedup
 from celery_dedup import DedupTask, RevokeOutcome, inspect_lock
 
-from .conftest import AppFactory, wait_until
+from .conftest import AppFactory, scheduled_by_worker, wait_until
 
 
 def test_retry_keeps_lock_and_extends_ttl(app_factory: AppFactory, worker_for: Any) -> None:
@@ -147,10 +147,10 @@ def test_result_revoke_releases_when_worker_drops_it(
         runs.append(x)
 
     worker_for(app)
-    result = job.apply_async((1,), countdown=1.5)
-    time.sleep(0.5)  # the worker has reserved the ETA message
+    result = job.apply_async((1,), countdown=5)
+    scheduled_by_worker(app, result.id)
     result.revoke()
-    wait_until(lambda: inspect_lock(result.deduplication_key, app=app) is None, timeout=10)
+    wait_until(lambda: inspect_lock(result.deduplication_key, app=app) is None, timeout=20)
     assert app.AsyncResult(result.id).state == states.REVOKED
     assert runs == []
 
@@ -186,9 +186,9 @@ def test_expiry_policy_is_not_released_by_revoke(app_factory: AppFactory, worker
         return None
 
     worker_for(app)
-    result = job.apply_async((1,), countdown=1)
-    time.sleep(0.4)
+    result = job.apply_async((1,), countdown=5)
+    scheduled_by_worker(app, result.id)
     result.revoke()
-    wait_until(lambda: app.AsyncResult(result.id).state == states.REVOKED, timeout=10)
+    wait_until(lambda: app.AsyncResult(result.id).state == states.REVOKED, timeout=20)
     lock = inspect_lock(result.deduplication_key, app=app)
     assert lock is not None and lock.task_id == result.id

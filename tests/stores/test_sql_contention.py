@@ -143,6 +143,19 @@ def run_burst(store: SQLStore, operation: str) -> tuple[dict[str, dict[str, str 
     return seen, retried
 
 
+def assert_no_broken_waits(store: SQLStore, retried: int) -> None:
+    """On a server database, no wait was broken: no deadlock, no serialization failure.
+
+    SQLite is exempt: it has no row locks, its busy handler is not fair
+    (a waiter on a loaded machine can run out of its busy timeout while
+    others take turns), and it answers "database is locked" at once where
+    waiting could deadlock two statements; there a retry is the designed
+    answer, and the test's answers per key prove the retries harmless.
+    """
+    if store.engine.dialect.name != "sqlite":
+        assert retried == 0
+
+
 def deadlocks(store: SQLStore) -> int | None:
     """The server's deadlock counter (MariaDB/MySQL), or None elsewhere."""
     if store.engine.dialect.name != "mysql":
@@ -170,7 +183,7 @@ def test_first_acquire_burst_has_one_winner_per_key(racing: SQLStore) -> None:
         lock = racing.get(key)
         assert lock is not None and lock.owner == winner
     assert deadlocks(racing) == before
-    assert retried == 0
+    assert_no_broken_waits(racing, retried)
 
 
 def test_take_over_burst_is_one_chain_per_key(racing: SQLStore) -> None:
@@ -195,7 +208,7 @@ def test_take_over_burst_is_one_chain_per_key(racing: SQLStore) -> None:
         lock = racing.get(key)
         assert lock is not None and lock.owner == last, key
     assert deadlocks(racing) == before
-    assert retried == 0
+    assert_no_broken_waits(racing, retried)
 
 
 # -- the start check racing a revoke ------------------------------------------
@@ -229,7 +242,7 @@ def _claim_or_revoke(
 def race_claims_and_revokes(store: SQLStore) -> Counter[tuple[str, str]]:
     """For each key, one process claims a token while another revokes it.
 
-    Counts the pairs of answers; fails on any error, any retried lost race
+    Counts the pairs of answers; fails on any error, any retried lost race (server databases)
     and any deadlock the database broke.
     """
     before = deadlocks(store)
@@ -257,7 +270,7 @@ def race_claims_and_revokes(store: SQLStore) -> Counter[tuple[str, str]]:
             proc.join(60)
         results.close()
         results.join_thread()
-    assert retried == 0
+    assert_no_broken_waits(store, retried)
     assert deadlocks(store) == before
     return Counter(
         (answers["claim", pair][key], answers["revoke", pair][key])
