@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .cadence import Cadence
 from .runs import record_life, records_of
 from .stores.base import LockStore, RunRef
 
@@ -73,10 +74,12 @@ class _Renewer:
     def loop(self) -> None:
         stop = threading.Event()
         while not stop.wait(self.interval):
-            renew_active()
+            renew_active(only_due=True)
 
 
 _renewer = _Renewer()
+#: each (store, lease) group is renewed every third of its own lease
+_cadence = Cadence(3.0)
 
 
 def remember(request: Any, store: LockStore, run: RunRef, lease: float) -> None:
@@ -149,14 +152,27 @@ def _active_runs() -> dict[tuple[int, float], tuple[LockStore, list[RunRef]]]:
     return groups
 
 
-def renew_active() -> int:
+def renew_active(*, only_due: bool = False) -> int:
     """Renew the lease (and ``keep_last`` run gate) of every active request of this
     worker, taking back those that lapsed (one pass); then retry pending ends.
+
+    ``only_due`` (the renewer thread's passes): only the leases whose third
+    has passed since their last pass, when leases of several lengths share
+    the process.
     """
     renewed = 0
     tokens: set[str] = set()
-    for (_, lease), (store, runs) in _active_runs().items():
+    groups = _active_runs()
+    due = (
+        _cadence.due({group: group[1] for group in groups}, time.monotonic(), _renewer.interval)
+        if only_due
+        else set(groups)
+    )
+    for group, (store, runs) in groups.items():
         tokens.update(run.token for run in runs)
+        if group not in due:
+            continue
+        lease = group[1]
         started = time.monotonic()
         try:
             kept = records_of(store).keep_runs(runs, record_life(lease), set(_held))

@@ -15,10 +15,12 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import handoff
+from .cadence import Cadence
 from .exceptions import LimitsNotSupported, StoreError
 from .header import LockHeader
 from .lifecycle import Outcome
@@ -67,11 +69,12 @@ class _Keeper:
         self.pid = 0
         self.interval = 20.0
         self.wake = threading.Event()
+        # Every third of the lease: a slot's record lives two leases.
+        self.cadence = Cadence(6.0)
 
     def add(self, slot: Slot) -> None:
         with self.lock:
             self.held[slot.holder] = slot
-            # Every third of the lease: a slot's record lives two leases.
             self.interval = min(self.interval, max(slot.ttl / 6.0, 0.05))
             alive = self.thread is not None and self.thread.is_alive()
             if not alive or self.pid != os.getpid():
@@ -87,14 +90,20 @@ class _Keeper:
 
     def loop(self) -> None:
         while not self.wake.wait(self.interval):
-            self.renew()
+            self.renew(only_due=True)
 
-    def renew(self) -> int:
+    def renew(self, *, only_due: bool = False) -> int:
+        """Renew the slots held in this process; ``only_due``: those whose third is up."""
         with self.lock:
             slots = list(self.held.values())
         groups: dict[tuple[int, float], tuple[SlotSupport, list[Slot]]] = {}
         for slot in slots:
             groups.setdefault((id(slot.store), slot.ttl), (slot.store, []))[1].append(slot)
+        if only_due:
+            due = self.cadence.due(
+                {group: group[1] for group in groups}, time.monotonic(), self.interval
+            )
+            groups = {group: held for group, held in groups.items() if group in due}
         renewed = 0
         for (_, ttl), (store, held) in groups.items():
             try:

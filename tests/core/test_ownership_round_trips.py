@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from celery_dedup import DedupTask
+from celery_dedup import DedupTask, leases
 from celery_dedup.runs import records_of
 from celery_dedup.runtime import runtime_for
 from celery_dedup.stores.base import RunRef
@@ -90,7 +90,10 @@ def test_round_trips_per_acquire_duplicate_and_execution(
     """N acquires cost N, N duplicates cost N, executing N tasks on a worker at most 2N."""
     store_server.flush(0)
     # A lease renewal pass (every third of the lease) is upkeep, not a per-task
-    # cost: a lease long enough keeps it out of a slow machine's count.
+    # cost: a lease long enough keeps it out of a slow machine's count, even
+    # while the process's renewer wakes every 0.1 s for another app's 0.3 s
+    # lease (as an earlier test's leaves it): each lease keeps its own third.
+    leases._renewer.start(0.3)
     app = app_factory("own-rt", dedup_store=store_server.url(0), dedup_metrics_flush_interval=3600,
                       dedup_lease_ttl=3600)
 

@@ -26,6 +26,8 @@ __all__ = ["maria_alias", "store_django_maria"]
 
 PROCESSES = 8
 KEYS = [f"burst:{i:03d}" for i in range(200)]
+#: Longer than any burst on a loaded machine: no key expires mid-race.
+TTL = 3600
 META = {"task_name": "tests.burst", "policy": "success", "task_id": "id-burst"}
 #: what a process saw for one key: the holder (acquire), or the previous holder ("" = free)
 Seen = dict[str, str]
@@ -44,10 +46,10 @@ def _burst(url: str, owner: str, operation: str, barrier: Any, results: Any) -> 
         for key in KEYS:
             try:
                 if operation == "acquire":
-                    holder = store.acquire(key, owner, 60, META)
+                    holder = store.acquire(key, owner, TTL, META)
                     seen[key] = owner if holder is None else holder.owner
                 else:
-                    previous = store.take_over(key, owner, 60, META)
+                    previous = store.take_over(key, owner, TTL, META)
                     seen[key] = "" if previous is None else previous.owner
             except StoreUnavailable:
                 unavailable += 1

@@ -1057,24 +1057,14 @@ class _Checker:
         (It carries no lock, so a copy the broker redelivered may run again,
         as without celery-dedup: only "it ran" is judged.)
         """
-        for call in self.trace.calls:
-            if call.outcome != "observed":
-                continue
-            if call.expires_at is not None or any(
-                r.task_id == call.task_id for r in self.trace.revokes
-            ):
-                continue
-            events = [e for e in self.trace.events if e.task_id == call.task_id]
-            started = any(e.kind == "start" for e in events)
-            final = any(e.kind == "postrun" and e.outcome in FINAL_STATES for e in events)
-            if not (started and final):
-                kinds = sorted({e.kind for e in events})
-                self.report(
-                    Kind.OBSERVED,
-                    call.key,
-                    f"{call.task_id} was published anyway (observe) but never ran to its end "
-                    f"(records: {', '.join(kinds) or 'none'})",
-                )
+        for observed in unfinished_observed(self.trace):
+            kinds = sorted({e.kind for e in observed.events})
+            self.report(
+                Kind.OBSERVED,
+                observed.key,
+                f"{observed.call.task_id} was published anyway (observe) but never ran to its "
+                f"end (records: {', '.join(kinds) or 'none'})",
+            )
 
     def check_spans(self) -> None:
         """Spans of traced processes agree with the calls and skips recorded.
@@ -1292,6 +1282,26 @@ def unfinished(trace: Trace) -> list[Holding]:
         and not h.finished()
         and revoked.get((h.key, h.call.task_id), -INF) < h.call.t0
     ]
+
+
+def unfinished_observed(trace: Trace) -> list[Holding]:
+    """Calls published anyway under observe that have not run to a final state yet,
+    each as a lock-less holding with its message's events (revoked ones and ones
+    with ``expires`` excepted: nothing of theirs must run)."""
+    revoked = {r.task_id for r in trace.revokes}
+    events: dict[str, list[Event]] = defaultdict(list)
+    for event in trace.events:
+        events[event.task_id].append(event)
+    left = []
+    for call in trace.calls:
+        if call.outcome != "observed" or call.expires_at is not None or call.task_id in revoked:
+            continue
+        mine = events.get(call.task_id, [])
+        started = any(e.kind == "start" for e in mine)
+        final = any(e.kind == "postrun" and e.outcome in FINAL_STATES for e in mine)
+        if not (started and final):
+            left.append(Holding(call=call, events=mine))
+    return left
 
 
 def holdings(trace: Trace, margin: float = MARGIN) -> list[Holding]:

@@ -48,6 +48,7 @@ from .model import (
     Trace,
     check,
     unfinished,
+    unfinished_observed,
 )
 
 __all__ = [
@@ -140,7 +141,8 @@ class Recorder:
         excused: Callable[[Holding], bool] = lambda _: False,
         dump: Path | None = None,
     ) -> Trace:
-        """The trace once every published message is final, polled each second.
+        """The trace once every published message (and every call observe published
+        anyway) is final, polled each second.
 
         On a timeout the assertion names each unfinished message with its
         events and the worker log lines that mention its task id (``logs``:
@@ -151,7 +153,7 @@ class Recorder:
         """
 
         def drained() -> bool:
-            return all(excused(h) for h in unfinished(self.trace()))
+            return all(excused(h) for h in waited_for(self.trace()))
 
         try:
             poll(drained, timeout, interval=1.0, what="queue drained")
@@ -165,7 +167,7 @@ class Recorder:
 
     def diagnose(self, logs: Sequence[str] = (), limit: int = 10) -> str:
         """The unfinished messages, their events and their log lines, for a failure message."""
-        left = unfinished(self.trace())
+        left = waited_for(self.trace())
         lines = [f"{len(left)} unfinished messages; the first {min(limit, len(left))}:"]
         for holding in left[:limit]:
             call = holding.call
@@ -184,7 +186,7 @@ class Recorder:
 
     def settled(self, timeout: float = 60) -> Trace:
         """The trace once every published message has a final record."""
-        poll(lambda: not unfinished(self.trace()), timeout, interval=0.2, what="messages final")
+        poll(lambda: not waited_for(self.trace()), timeout, interval=0.2, what="messages final")
         return self.trace()
 
     def findings(
@@ -607,6 +609,12 @@ class Scanner:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(30)
+
+
+def waited_for(trace: Trace) -> list[Holding]:
+    """What a drain waits for: published messages not final yet, and calls observe
+    published anyway that have not run to their end (``check_observed`` judges them)."""
+    return unfinished(trace) + unfinished_observed(trace)
 
 
 def poll(

@@ -11,6 +11,7 @@ from celery_dedup.coalesce import WAIT
 from celery_dedup.debounce import owner_token
 
 from .model import Call, Event, Kind, Revoke, Scan, Seen, SpanRecord, Trace, check, holdings
+from .probe import waited_for
 
 KEY = "celery-dedup:rel.work:" + "a" * 64
 OTHER = "celery-dedup:rel.work:" + "b" * 64
@@ -630,6 +631,18 @@ def test_an_observed_call_that_never_ran_is_reported() -> None:
     assert kinds(trace) == [Kind.OBSERVED]
     revoked = replace(trace, revokes=[Revoke(KEY, "B", 0.6, 0.61, "revoked")])
     assert check(revoked) == []
+
+
+def test_a_drain_waits_for_an_observed_call_until_it_ran_to_its_end() -> None:
+    """A drain (``probe.waited_for``) waits for a call observe published anyway as for a
+    published one: until its message ran to a final state, not only until it started."""
+    trace = Trace(
+        calls=[published(0.0, "A", "ta", observe=True), observed(0.5, "B")],
+        events=[*run("ta", "A", 1.0)],
+    )
+    assert [h.call.task_id for h in waited_for(trace)] == ["B"]
+    ran = replace(trace, events=[*trace.events, *run("guard:B", "B", 1.1)])
+    assert waited_for(ran) == []
 
 
 def test_an_observing_message_may_run_while_a_newer_call_holds_its_key() -> None:

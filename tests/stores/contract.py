@@ -44,6 +44,10 @@ OTHER_META = {"task_name": "tests.other", "policy": "finish", "task_id": "id-b"}
 
 RACE_WORKERS = 8
 RACE_KEYS = [f"race:{i:03d}" for i in range(200)]
+#: The racers' lock TTL: longer than any race on a loaded machine, so a key
+#: that expired mid-race (a legitimate second winner) never stands in for one
+#: a contended acquire gave twice.
+RACE_TTL = 3600
 TQ_RACE_KEYS = [f"tq-race:{i:03d}" for i in range(60)]
 
 #: Stores without ``RevokingTakeOver`` (a take-over, then a revoke: two round
@@ -70,7 +74,7 @@ def race(store: LockStore, owner: str, start: Callable[[], Any]) -> dict[str, st
     start()
     seen: dict[str, str] = {}
     for key in keys:
-        holder = store.acquire(key, owner, 60, META)
+        holder = store.acquire(key, owner, RACE_TTL, META)
         seen[key] = owner if holder is None else holder.owner
     return seen
 
@@ -221,7 +225,7 @@ class StoreContract:
             mine = keys[n * 15 :] + keys[: n * 15]
             try:
                 barrier.wait()
-                answers = acquire_many(store, [(k, f"bulk-{n}", 60, META) for k in mine])
+                answers = acquire_many(store, [(k, f"bulk-{n}", RACE_TTL, META) for k in mine])
             except BaseException as exc:  # reported below
                 errors.append(exc)
                 return
@@ -1097,7 +1101,14 @@ class StoreContract:
             for key, holder in saw.items():
                 if holder == owner:
                     winners[key].append(owner)
-        assert {key: len(owners) for key, owners in winners.items()} == dict.fromkeys(RACE_KEYS, 1)
+        wrong = {key: owners for key, owners in winners.items() if len(owners) != 1}
+        assert not wrong, (
+            f"{len(wrong)} keys without exactly one winner, e.g. "
+            + "; ".join(
+                f"{key}: won by {owners}, seen {sorted({saw[key] for saw in seen.values()})}"
+                for key, owners in list(wrong.items())[:5]
+            )
+        )
         for key, (winner,) in winners.items():
             assert all(saw[key] == winner for saw in seen.values()), key
             lock = store_case.store.get(key)

@@ -32,6 +32,8 @@ META = {"task_name": "tests.add", "policy": "success", "task_id": "id-a"}
 
 PROCESSES = 8
 KEYS = [f"burst:{i:03d}" for i in range(200)]
+#: Longer than any burst on a loaded machine: no key expires mid-race.
+TTL = 3600
 
 RACING_STORES = [
     pytest.param("store_mysql", marks=pytest.mark.mysql, id="mariadb"),
@@ -94,10 +96,10 @@ def _burst(url: str, operation: str, owner: str, barrier: Any, results: Any) -> 
         for key in KEYS:
             try:
                 if operation == "acquire":
-                    holder = store.acquire(key, owner, 60, META)
+                    holder = store.acquire(key, owner, TTL, META)
                     seen[key] = owner if holder is None else holder.owner
                 else:
-                    previous = store.take_over(key, owner, 60, META)
+                    previous = store.take_over(key, owner, TTL, META)
                     seen[key] = None if previous is None else previous.owner
             except Exception as exc:  # counted, and the test fails on any
                 errors[type(exc).__name__] += 1
@@ -229,10 +231,10 @@ def _claim_or_revoke(
         token = f"token-{pair}"
         for key in PAIR_KEYS:
             if role == "claim":
-                claim = store.claim(f"{pair}:{key}", token, release=False, ttl=60, meta=META)
+                claim = store.claim(f"{pair}:{key}", token, release=False, ttl=TTL, meta=META)
                 answers[key] = claim.outcome.value
             else:
-                answers[key] = store.revoke(f"{pair}:{key}", token, 60).value
+                answers[key] = store.revoke(f"{pair}:{key}", token, TTL).value
         results.put((role, pair, answers, retries.count))
     except BaseException as exc:
         results.put((role, pair, repr(exc), retries.count))
@@ -289,7 +291,7 @@ def test_start_check_racing_a_revoke_of_a_queued_holder(racing: SQLStore) -> Non
     """
     for pair in range(PAIRS):
         for key in PAIR_KEYS:
-            assert racing.acquire(f"{pair}:{key}", f"token-{pair}", 60, META) is None
+            assert racing.acquire(f"{pair}:{key}", f"token-{pair}", TTL, META) is None
     pairs = race_claims_and_revokes(racing)
     assert set(pairs) <= {("owned", "running"), ("revoked", "released")}, pairs
     held = sum(1 for pair in range(PAIRS) for key in PAIR_KEYS if racing.get(f"{pair}:{key}"))
@@ -312,7 +314,9 @@ def test_start_check_racing_a_revoke_on_a_free_key(racing: SQLStore) -> None:
     assert set(pairs) <= allowed, pairs
     for pair in range(PAIRS):
         for key in PAIR_KEYS:
-            claim = racing.claim(f"{pair}:{key}", f"token-{pair}", release=False, ttl=60, meta=META)
+            claim = racing.claim(
+                f"{pair}:{key}", f"token-{pair}", release=False, ttl=TTL, meta=META
+            )
             assert claim.outcome is ClaimOutcome.REVOKED
 
 
