@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery.exceptions import Ignore, Reject, Retry
 
-from . import slots, worker
+from . import cancel_window, slots, worker
 from .lifecycle import Outcome
 
 if TYPE_CHECKING:
@@ -79,10 +79,10 @@ def _claimed(
     """The body under its start claim; the end of the run recorded per outcome."""
     held = worker.claim_at_start(task, str(request.id), args, kwargs, request)
     if held is None:
-        return call(*args, **kwargs)
+        return _body(call, args, kwargs)
     request.dedup_held = held  # seen by on_replace
     try:
-        retval = call(*args, **kwargs)
+        retval = _body(call, args, kwargs)
     except Retry:
         worker.finish(task, held, Outcome.RETRIED)  # the retry holds the lock
         raise
@@ -102,6 +102,14 @@ def _claimed(
         raise
     worker.finish(task, held, Outcome.SUCCESS)
     return retval
+
+
+def _body(call: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    """The body itself; once it ended, a cancel signal no longer raises (``cancel_window``)."""
+    try:
+        return call(*args, **kwargs)
+    finally:
+        cancel_window.body_ended()
 
 
 def _greenlet_killed(exc: BaseException) -> bool:

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
+from typing import Any
 
 from celery import Celery, Task
+from celery.signals import task_success
 
 from celery_dedup import DedupTask
 
@@ -56,3 +60,23 @@ def flask_style(x: int) -> int:
     if x < 0:
         raise ValueError(x)
     return x * 3
+
+
+@app.task(base=DedupTask, unique_for=60)
+def cancelled_as_it_ends(x: int) -> int:
+    """Its cancel signal (SIGUSR1, as ``cancel_running`` sends it) lands 0.2 s after the
+    body returned, while the child stores the result and runs ``task_success``."""
+    pid = os.getpid()
+    threading.Timer(0.2, os.kill, (pid, signal.SIGUSR1)).start()
+    return pid
+
+
+@task_success.connect(sender=cancelled_as_it_ends, weak=False)
+def _slow_success(**_: Any) -> None:
+    time.sleep(0.6)  # the post-body work the late signal lands in
+
+
+@app.task(base=DedupTask, unique_for=60)
+def pid_of_child(x: int) -> int:
+    """The pool child's pid."""
+    return os.getpid()

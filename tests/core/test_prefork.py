@@ -83,6 +83,31 @@ def test_pool_child_releases_on_success(prefork_worker: None) -> None:
     wait_until(lambda: inspect_lock(result.deduplication_key, app=app) is None)
 
 
+def test_a_cancel_signal_after_the_body_ended_is_ignored(
+    prefork_worker: None, tmp_path: Path
+) -> None:
+    """SIGUSR1 (the cancel signal) landing after the body returned raises nowhere.
+
+    Without the guard billiard's handler raised SoftTimeLimitExceeded in
+    whatever the child did next (storing the result, a signal receiver, a
+    store command half read: that connection then answered every later task
+    with another command's reply). The result is stored, the same child runs
+    the next task, and the worker says it ignored the signal.
+    """
+    first = prefork_app.cancelled_as_it_ends.delay(1)
+    child = first.get(timeout=30)
+    assert prefork_app.pid_of_child.delay(2).get(timeout=30) == child
+    ignored = "cancel signal arrived after its body had ended"
+
+    def log() -> str:
+        return (tmp_path / "worker.log").read_text(errors="replace")
+
+    wait_until(lambda: ignored in log() or "SoftTimeLimitExceeded" in log(), timeout=10)
+    assert "SoftTimeLimitExceeded" not in log()
+    assert ignored in log()
+    assert prefork_app.app.AsyncResult(first.id).state == states.SUCCESS
+
+
 def test_hard_time_limit_releases_finish_lock(prefork_worker: None) -> None:
     """A hard time limit kills the child; the main process releases the 'finish' lock first."""
     app = prefork_app.app
