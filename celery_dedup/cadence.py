@@ -10,7 +10,7 @@ wakes once per period, and renews it at the first wake-up after it appeared).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Iterable
 
 __all__ = ["Cadence"]
 
@@ -19,26 +19,28 @@ class Cadence:
     """The last renewal pass of each group (e.g. a store and a lease length)."""
 
     def __init__(self, parts: float) -> None:
-        #: a group's passes come every ``lease / parts`` seconds (the same
-        #: expression the thread's wake-up interval is computed with)
+        #: a group's passes come every ``lease / parts`` seconds
         self.parts = parts
-        self._last: dict[Hashable, float] = {}
+        self._last: dict[tuple[Hashable, float], float] = {}
 
-    def due(self, periods: Mapping[Hashable, float], now: float, interval: float) -> set[Hashable]:
-        """The groups of ``periods`` (group → lease) due at ``now``; their pass is noted.
+    def period(self, lease: float) -> float:
+        """Seconds between two passes of a group whose lease lasts ``lease``
+        (the thread's wake-up interval is the shortest of them)."""
+        return lease / self.parts
+
+    def due(
+        self, groups: Iterable[tuple[Hashable, float]], now: float, interval: float
+    ) -> set[tuple[Hashable, float]]:
+        """The ``groups`` (each ``(what, lease)``) due at ``now``; their pass is noted.
 
         ``interval`` is how long the thread waits between wake-ups. Groups
-        missing from ``periods`` are forgotten.
+        missing from ``groups`` are forgotten.
         """
-        last = {group: self._last.get(group, now - interval) for group in periods}
+        last = {group: self._last.get(group, now - interval) for group in groups}
         # A quarter of a wake-up of slack: a wake-up a hair early (the clock's
         # granularity) must not skip a lone group's pass.
         slack = interval / 4.0
-        due = {
-            group
-            for group, lease in periods.items()
-            if now - last[group] + slack >= lease / self.parts
-        }
+        due = {group for group in last if now - last[group] + slack >= self.period(group[1])}
         for group in due:
             last[group] = now
         self._last = last

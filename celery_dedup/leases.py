@@ -59,7 +59,7 @@ class _Renewer:
         return self.thread is not None and self.pid == os.getpid() and self.thread.is_alive()
 
     def start(self, lease: float) -> None:
-        self.interval = min(self.interval, max(lease / 3.0, 0.05))
+        self.interval = min(self.interval, max(_cadence.period(lease), 0.05))
         if self.running():
             return
         with self.lock:
@@ -164,7 +164,7 @@ def renew_active(*, only_due: bool = False) -> int:
     tokens: set[str] = set()
     groups = _active_runs()
     due = (
-        _cadence.due({group: group[1] for group in groups}, time.monotonic(), _renewer.interval)
+        _cadence.due(groups, time.monotonic(), _renewer.interval)
         if only_due
         else set(groups)
     )

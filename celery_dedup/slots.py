@@ -75,7 +75,7 @@ class _Keeper:
     def add(self, slot: Slot) -> None:
         with self.lock:
             self.held[slot.holder] = slot
-            self.interval = min(self.interval, max(slot.ttl / 6.0, 0.05))
+            self.interval = min(self.interval, max(self.cadence.period(slot.ttl), 0.05))
             alive = self.thread is not None and self.thread.is_alive()
             if not alive or self.pid != os.getpid():
                 self.pid = os.getpid()
@@ -100,9 +100,7 @@ class _Keeper:
         for slot in slots:
             groups.setdefault((id(slot.store), slot.ttl), (slot.store, []))[1].append(slot)
         if only_due:
-            due = self.cadence.due(
-                {group: group[1] for group in groups}, time.monotonic(), self.interval
-            )
+            due = self.cadence.due(groups, time.monotonic(), self.interval)
             groups = {group: held for group, held in groups.items() if group in due}
         renewed = 0
         for (_, ttl), (store, held) in groups.items():
