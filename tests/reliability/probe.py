@@ -589,7 +589,7 @@ class Scanner:
     """Scans the store every ``interval`` seconds in a thread until stopped."""
 
     def __init__(
-        self, scan: Callable[[], Scan], interval: float = 1.0
+        self, scan: Callable[[], object], interval: float = 1.0
     ) -> None:
         self._scan = scan
         self._interval = interval
