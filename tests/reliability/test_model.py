@@ -713,7 +713,8 @@ def test_each_traced_call_takes_the_span_made_during_it() -> None:
 
 
 @pytest.mark.parametrize("disagreement", ["says duplicate", "no span", "other reason",
-                                          "skip never happened", "published a refusal"])
+                                          "skip never happened", "published a refusal",
+                                          "skip without its span"])
 def test_a_disagreeing_span_is_found(disagreement: str) -> None:
     """A span that says another outcome, a traced call or skip without one, a span
     claiming a skip or a publish nobody recorded: each is a finding."""
@@ -731,8 +732,25 @@ def test_a_disagreeing_span_is_found(disagreement: str) -> None:
         spans[1] = skip_span("C", "already ran")
     elif disagreement == "skip never happened":
         spans.append(skip_span("D", "revoked"))
+    elif disagreement == "skip without its span":  # its run ended: the span was exported
+        events.append(Event("postrun", "guard:C", "C", 0.35, outcome="IGNORED", pid=1,
+                            traced=True))  # fmt: skip
+        spans = spans[:1]
     else:  # a span says published of a message no call published (it was refused)
         spans.append(span("apply_async/rel.work", "E", "published"))
     findings = [f for f in check(Trace(calls=calls, events=events, spans=spans))
                 if f.kind is Kind.SPAN]  # fmt: skip
     assert findings, disagreement
+
+
+def test_a_skip_in_a_process_killed_before_its_run_ended_needs_no_span() -> None:
+    """A run span is exported when the run ends: a traced skip with no ``postrun``
+    after it in its process (killed there, the crash soak) is not judged."""
+    first = published(0.0, "A", "ta", traced=True)
+    skipped = Event("skipped", "guard:C", "C", 0.3, outcome="revoked", pid=1, traced=True)
+    trace = Trace(calls=[first], events=[*run("ta", "A", 1.0), skipped],
+                  spans=[span("apply_async/rel.work", "A", "published")])  # fmt: skip
+    assert Kind.SPAN not in kinds(trace)
+    ended = Event("postrun", "guard:C", "C", 0.35, outcome="IGNORED", pid=1, traced=True)
+    trace.events.append(ended)
+    assert Kind.SPAN in kinds(trace)

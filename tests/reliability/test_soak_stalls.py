@@ -256,10 +256,12 @@ def test_soak_under_store_stalls_longer_than_the_lease_finds_no_violation(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """2 workers with 2 prefork children; the store stalls 1.5 leases every 5 s."""
-    # A capped debounce's run waits out a stall (its claim cannot be answered,
-    # "closed" defers it): its cap holds while the store answers, so the
-    # checker allows the stall and the deferral that waits it out on top.
-    monkeypatch.setattr(model, "CAP_SLACK", model.CAP_SLACK + STALL + 2.0)
+    # A capped debounce's run waits out a stall (its claim cannot be answered:
+    # deferred, or waited out) and the backlog after it, while later calls of
+    # its burst keep replacing its queued message: its cap holds while the
+    # store answers and the workers keep up (docs/guarantees.md), so the
+    # checker allows a stall cycle and the next stall on top.
+    monkeypatch.setattr(model, "CAP_SLACK", model.CAP_SLACK + 2 * STALL + BETWEEN + 2.0)
     url, stall = stallable
     plan = SoakPlan.from_env()
     conf = backends.conf(

@@ -48,6 +48,9 @@ RACE_KEYS = [f"race:{i:03d}" for i in range(200)]
 #: that expired mid-race (a legitimate second winner) never stands in for one
 #: a contended acquire gave twice.
 RACE_TTL = 3600
+#: seconds a race's parent waits for each racing process's answer (under the
+#: test timeout of 300 s)
+RACE_WAIT = 240
 TQ_RACE_KEYS = [f"tq-race:{i:03d}" for i in range(60)]
 
 #: Stores without ``RevokingTakeOver`` (a take-over, then a revoke: two round
@@ -1178,7 +1181,7 @@ def _start_race(case: StoreCase) -> tuple[dict[str, Any], dict[str, Any]]:
             proc.start()
         try:
             for _ in procs:
-                role, saw = results.get(timeout=120)
+                role, saw = results.get(timeout=RACE_WAIT)
                 assert isinstance(saw, dict), f"{role} failed: {saw}"
                 seen[role] = saw
         finally:
@@ -1217,7 +1220,10 @@ def _race_in_processes(url: str) -> dict[str, dict[str, str]]:
     seen: dict[str, dict[str, str]] = {}
     try:
         for _ in procs:
-            owner, saw = results.get(timeout=120)
+            # MySQL/MariaDB through Django: CONN_MAX_AGE=0 opens a connection per
+            # operation (and PyMySQL an SSL context per connection): 1,600
+            # acquires take a minute alone, and three lanes share the CPUs.
+            owner, saw = results.get(timeout=RACE_WAIT)
             assert isinstance(saw, dict), f"{owner} failed: {saw}"
             seen[owner] = saw
     finally:
