@@ -1133,24 +1133,23 @@ class _Checker:
                 self.report(Kind.SPAN, "", f"{span.name} says {span.outcome} of "
                             f"{span.message_id or span.attributes.get('holder_id')}: "
                             "no call recorded that")  # fmt: skip
+        # A run span is exported when its run ends (task_postrun): a skip whose
+        # process was killed before that (the crash soak) has no span to judge.
+        last_end: dict[tuple[str, int], float] = {}
+        for e in self.trace.events:
+            if e.kind == "postrun":
+                last_end[e.task_id, e.pid] = max(e.t, last_end.get((e.task_id, e.pid), -INF))
         skips: dict[tuple[str, str, int], int] = defaultdict(int)
+        exported: dict[tuple[str, str, int], int] = defaultdict(int)
         for e in self.trace.events:
             if e.kind == "skipped":
                 skips[e.task_id, e.outcome, e.pid] += 1
+                if last_end.get((e.task_id, e.pid), -INF) >= e.t:
+                    exported[e.task_id, e.outcome, e.pid] += 1
         for (task_id, reason, pid), n in skip_events.items():
             if n > skips.get((task_id, reason, pid), 0):
                 self.report(Kind.SPAN, "", f"run span of {task_id} says skipped ({reason}) "
                             f"{n} times in pid {pid}: no such skip recorded")  # fmt: skip
-        # A run span is exported when its run ends (task_postrun): a skip whose
-        # process was killed before that (the crash soak) has no span to judge.
-        ended: dict[tuple[str, int], list[float]] = defaultdict(list)
-        for e in self.trace.events:
-            if e.kind == "postrun":
-                ended[e.task_id, e.pid].append(e.t)
-        exported: dict[tuple[str, str, int], int] = defaultdict(int)
-        for e in self.trace.events:
-            if e.kind == "skipped" and any(t >= e.t for t in ended[e.task_id, e.pid]):
-                exported[e.task_id, e.outcome, e.pid] += 1
         for e in self.trace.events:
             if e.kind == "skipped" and e.traced:
                 found = skip_events.get((e.task_id, e.outcome, e.pid), 0)

@@ -49,7 +49,9 @@ RACE_KEYS = [f"race:{i:03d}" for i in range(200)]
 #: a contended acquire gave twice.
 RACE_TTL = 3600
 #: seconds a race's parent waits for each racing process's answer (under the
-#: test timeout of 300 s)
+#: test timeout of 300 s): MySQL/MariaDB through Django opens a connection per
+#: operation under CONN_MAX_AGE=0 (and PyMySQL an SSL context per connection),
+#: so 1,600 acquires take a minute alone, and three CI lanes share the CPUs.
 RACE_WAIT = 240
 TQ_RACE_KEYS = [f"tq-race:{i:03d}" for i in range(60)]
 
@@ -1220,9 +1222,6 @@ def _race_in_processes(url: str) -> dict[str, dict[str, str]]:
     seen: dict[str, dict[str, str]] = {}
     try:
         for _ in procs:
-            # MySQL/MariaDB through Django: CONN_MAX_AGE=0 opens a connection per
-            # operation (and PyMySQL an SSL context per connection): 1,600
-            # acquires take a minute alone, and three lanes share the CPUs.
             owner, saw = results.get(timeout=RACE_WAIT)
             assert isinstance(saw, dict), f"{owner} failed: {saw}"
             seen[owner] = saw
